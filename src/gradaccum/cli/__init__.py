@@ -1,0 +1,53 @@
+"""The `gradaccum` command: plan | fit | verify | train | bench."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from .common import ArgumentParser, UsageError
+
+# name -> module under gradaccum.cli that defines add_parser(subparsers) and run(args) -> int
+COMMANDS = {
+    "plan": "plan",
+    "train": "train",
+    "fit": "pending",
+    "verify": "pending",
+    "bench": "pending",
+}
+
+
+def build_parser() -> ArgumentParser:
+    from gradaccum import __version__
+
+    parser = ArgumentParser(
+        prog="gradaccum",
+        description="Gradient accumulation for PyTorch: plan a batch, train at it, prove it exact.",
+    )
+    parser.add_argument("--version", action="version", version=f"gradaccum {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=ArgumentParser)
+    for name, module in COMMANDS.items():
+        mod = importlib.import_module(f"gradaccum.cli.{module}")
+        mod.add_parser(sub, name)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return 2
+        return int(args.run(args) or 0)
+    except UsageError as err:
+        print(f"gradaccum: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("gradaccum: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""One small module for everything device-specific: cuda, npu (torch_npu), xpu, mps, cpu.
+
+No other module calls `.cuda()`, `torch.cuda.*` or `torch_npu` directly; they ask here.
+"""
+
+from __future__ import annotations
+
+import importlib
+from contextlib import nullcontext
+
+import torch
+
+_KINDS = ("cuda", "npu", "xpu", "mps", "cpu")
+
+
+def _npu_available() -> bool:
+    if not hasattr(torch, "npu"):
+        try:  # torch_npu registers torch.npu on import
+            importlib.import_module("torch_npu")
+        except ImportError:
+            return False
+    return hasattr(torch, "npu") and torch.npu.is_available()
+
+
+def available(kind: str) -> bool:
+    """Whether a device kind can be used in this process."""
+    if kind == "cpu":
+        return True
+    if kind == "cuda":
+        return torch.cuda.is_available()
+    if kind == "npu":
+        return _npu_available()
+    if kind == "xpu":
+        return hasattr(torch, "xpu") and torch.xpu.is_available()
+    if kind == "mps":
+        return torch.backends.mps.is_available()
+    raise ValueError(f"unknown device kind {kind!r}; expected one of {', '.join(_KINDS)}")
+
+
+def default_kind() -> str:
+    """The best accelerator present, else cpu."""
+    for kind in _KINDS:
+        if available(kind):
+            return kind
+    return "cpu"
+
+
+def resolve(device: str | torch.device | None = None, local_rank: int = 0) -> torch.device:
+    """A concrete torch.device: `None`/"auto" picks the best kind, indexed by local rank."""
+    if device is None or device == "auto":
+        kind = default_kind()
+    else:
+        dev = torch.device(device)
+        if dev.index is not None or dev.type in ("cpu", "mps"):
+            return dev
+        kind = dev.type
+    if kind in ("cpu", "mps"):
+        return torch.device(kind)
+    return torch.device(kind, local_rank)
+
+
+def _module(kind: str):
+    return getattr(torch, kind, None)
+
+
+def set_current(device: torch.device) -> None:
+    """Bind this process to its accelerator (a no-op on cpu and mps)."""
+    mod = _module(device.type)
+    if device.type not in ("cpu", "mps") and mod is not None and device.index is not None:
+        mod.set_device(device.index)
+
+
+def distributed_backend(device: torch.device | str) -> str:
+    """The collective backend for a device kind: nccl, hccl, xccl or gloo."""
+    kind = torch.device(device).type
+    return {"cuda": "nccl", "npu": "hccl", "xpu": "xccl"}.get(kind, "gloo")
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued kernels, so that wall-clock timings mean something."""
+    mod = _module(device.type)
+    if device.type != "cpu" and mod is not None and hasattr(mod, "synchronize"):
+        mod.synchronize()
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None):
+    """An autocast context for the device kind, or a null context when dtype is None."""
+    if dtype is None:
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def supports_dtype(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the device can hold and compute in `dtype` (bf16 on old GPUs is the usual no)."""
+    if dtype == torch.bfloat16 and device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return True
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    mod = _module(device.type)
+    if device.type in ("cuda", "npu", "xpu") and mod is not None:
+        mod.reset_peak_memory_stats(device)
+
+
+def peak_memory_bytes(device: torch.device) -> int | None:
+    """Peak bytes allocated on the device since the last reset; None where not tracked (cpu)."""
+    mod = _module(device.type)
+    if device.type in ("cuda", "npu", "xpu") and mod is not None:
+        return int(mod.max_memory_allocated(device))
+    if device.type == "mps":
+        return int(torch.mps.current_allocated_memory())
+    return None
+
+
+def total_memory_bytes(device: torch.device) -> int | None:
+    """Total memory of the device in bytes; None on cpu and mps."""
+    mod = _module(device.type)
+    if device.type in ("cuda", "npu", "xpu") and mod is not None:
+        return int(mod.get_device_properties(device).total_memory)
+    return None
+
+
+def empty_cache(device: torch.device) -> None:
+    mod = _module(device.type)
+    if device.type != "cpu" and mod is not None and hasattr(mod, "empty_cache"):
+        mod.empty_cache()
+
+
+def out_of_memory_errors() -> tuple[type[BaseException], ...]:
+    """Exception types that mean 'out of device memory' (caught by type, never by message)."""
+    errors: list[type[BaseException]] = [torch.OutOfMemoryError]
+    npu = _module("npu")
+    if npu is not None and hasattr(npu, "OutOfMemoryError"):
+        errors.append(npu.OutOfMemoryError)
+    return tuple(errors)
