@@ -1,0 +1,191 @@
+"""The engine against big-batch references computed without it (tests/reference.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from reference import (
+    IGNORE,
+    GradRecorder,
+    big_batch_grads,
+    make_gpt,
+    make_mlp,
+    max_rel_error,
+    ragged_batches,
+    token_loss,
+)
+
+from gradaccum import Accumulator, windows
+from gradaccum.engine import count_labels
+
+MODELS = {"mlp": make_mlp, "gpt": make_gpt}
+
+
+def accumulated_grads(model, micro_batches, **kwargs):
+    opt = GradRecorder(model.parameters())
+    result = Accumulator(model, opt, **kwargs).step(micro_batches, token_loss)
+    return opt.seen[0], result
+
+
+@pytest.mark.parametrize("kind", ["mlp", "gpt"])
+@pytest.mark.parametrize("k", [1, 2, 8, 32])
+def test_fp32_gradient_equals_big_batch(kind, k):
+    model = MODELS[kind]()
+    data = ragged_batches(kind, k, seed=k)
+    want = big_batch_grads(model, data)
+    got, result = accumulated_grads(model, data)
+    assert max_rel_error(got, want) <= 1e-5
+    assert result.tokens == sum(int((b["labels"] != IGNORE).sum()) for b in data)
+    assert result.micro_steps == k
+    # grad_norm is the norm of the big-batch gradient
+    big_norm = torch.cat([g.flatten() for g in want]).norm().item()
+    assert result.grad_norm == pytest.approx(big_norm, rel=1e-5)
+
+
+@pytest.mark.parametrize("count_tokens", [None, count_labels(IGNORE)])
+def test_late_rescale_and_explicit_counter_match_big_batch(count_tokens):
+    model = make_gpt()
+    data = ragged_batches("gpt", 8, seed=3)
+    got, _ = accumulated_grads(model, data, count_tokens=count_tokens)
+    assert max_rel_error(got, big_batch_grads(model, data)) <= 1e-5
+
+
+def test_micro_batch_mean_differs_from_the_token_mean():
+    # Dividing each micro-batch's mean loss by k weights a token in a short micro-batch more
+    # than one in a long micro-batch: not the big-batch gradient when token counts differ.
+    model = make_gpt()
+    data = ragged_batches("gpt", 8, seed=5)
+    counts = [int((b["labels"] != IGNORE).sum()) for b in data]
+    assert len(set(counts)) > 1
+    want = big_batch_grads(model, data)
+    got, _ = accumulated_grads(model, data, normalize="micro_batch_mean")
+    assert max_rel_error(got, want) > 1e-2
+    # ... and it is exactly the mean of per-micro-batch mean gradients
+    per_micro = [big_batch_grads(model, [b]) for b in data]
+    mean_of_means = [sum(gs) / len(gs) for gs in zip(*per_micro, strict=True)]
+    assert max_rel_error(got, mean_of_means) <= 1e-5
+
+
+@pytest.mark.parametrize("opt_name", ["adamw", "sgd_momentum"])
+def test_parameters_after_steps_match_big_batch_training(opt_name):
+    def make_opt(params):
+        if opt_name == "adamw":
+            return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+    model = make_gpt()
+    ref = copy.deepcopy(model)
+    acc = Accumulator(model, make_opt(model.parameters()))
+    ref_opt = make_opt(ref.parameters())
+    data = ragged_batches("gpt", 12, seed=11)
+    for window in windows(data, accum_steps=4):
+        acc.step(window, token_loss)
+        ref_opt.zero_grad()
+        grads = big_batch_grads(ref, window)
+        for p, g in zip(ref.parameters(), grads, strict=True):
+            p.grad = g
+        ref_opt.step()
+    assert max_rel_error(_comparable(model), _comparable(ref)) <= 1e-5
+
+
+def _comparable(model) -> list[torch.Tensor]:
+    """Parameters, less the attention key bias: its true gradient is zero (softmax ignores a
+    constant added to every key's score), so Adam turns the rounding noise of any two ways of
+    summing into full-size steps of arbitrary sign."""
+    out = []
+    for name, p in model.named_parameters():
+        if name.endswith("c_attn.bias"):
+            q, _, v = p.detach().chunk(3)
+            out += [q, v]
+        else:
+            out.append(p.detach())
+    return out
+
+
+def test_short_last_window_uses_its_own_token_count():
+    model = make_mlp()
+    data = ragged_batches("mlp", 10, seed=2)
+    opt = GradRecorder(model.parameters())
+    acc = Accumulator(model, opt)
+    results = [acc.step(w, token_loss) for w in windows(data, accum_steps=4)]
+    assert [r.micro_steps for r in results] == [4, 4, 2]
+    assert max_rel_error(opt.seen[2], big_batch_grads(model, data[8:])) <= 1e-5
+    dropped = list(windows(data, accum_steps=4, drop_last=True))
+    assert [len(w) for w in dropped] == [4, 4]
+
+
+def test_scheduler_clip_and_zero_grad_once_per_window():
+    model = make_mlp()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+    acc = Accumulator(model, opt, scheduler=sched, max_grad_norm=0.05)
+    data = ragged_batches("mlp", 12, seed=4)
+    lrs = []
+    for i, window in enumerate(windows(data, accum_steps=4)):
+        result = acc.step(window, token_loss)
+        lrs.append(result.lr)
+        # reference: big-batch gradient, clipped by hand to norm 0.05, lr 0.5 / (1 + step)
+        grads = big_batch_grads(ref, window)
+        norm = torch.cat([g.flatten() for g in grads]).norm()
+        assert result.grad_norm == pytest.approx(norm.item(), rel=1e-5)
+        coef = min(1.0, 0.05 / (norm.item() + 1e-6))
+        with torch.no_grad():
+            for p, g in zip(ref.parameters(), grads, strict=True):
+                p -= 0.5 / (1 + i) * coef * g
+        assert all(p.grad is None for p in model.parameters())
+    assert sched.last_epoch == 3  # three windows, three scheduler steps, not twelve
+    assert lrs == pytest.approx([0.5, 0.25, 0.5 / 3])
+    assert acc.steps == 3
+    assert max_rel_error(list(model.parameters()), list(ref.parameters())) <= 1e-5
+
+
+def test_low_level_window_equals_step():
+    model = make_gpt()
+    twin = copy.deepcopy(model)
+    data = ragged_batches("gpt", 4, seed=8)
+    got, _ = accumulated_grads(model, data)
+    opt = GradRecorder(twin.parameters())
+    acc = Accumulator(twin, opt)
+    window = acc.begin_window(data)
+    for batch in data:
+        with window.micro_step():
+            loss_sum, n = token_loss(twin, batch)
+            window.backward(loss_sum, n)
+    window.finish()
+    assert max_rel_error(opt.seen[0], got) == 0.0
+
+
+def test_micro_grad_hook_sees_each_micro_batch_gradient():
+    model = make_mlp()
+    data = ragged_batches("mlp", 3, seed=9)
+    opt = GradRecorder(model.parameters())
+    acc = Accumulator(model, opt)
+    seen: dict[str, list[torch.Tensor]] = {}
+    handles = acc.add_micro_grad_hook(lambda name, g: seen.setdefault(name, []).append(g.clone()))
+    acc.step(data, token_loss)
+    for h in handles:
+        h.remove()
+    assert all(len(v) == 3 for v in seen.values())
+    n_total = sum(int((b["labels"] != IGNORE).sum()) for b in data)
+    # each hook call is micro-batch i's own gradient scaled by 1/N: they add up to the window's
+    for i, batch in enumerate(data):
+        want = big_batch_grads(model, [batch])
+        n_i = int((batch["labels"] != IGNORE).sum())
+        got = [seen[name][i] * n_total / n_i for name, _ in model.named_parameters()]
+        assert max_rel_error(got, want) <= 1e-5
+
+
+def test_bad_arguments_are_rejected():
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="precision"):
+        Accumulator(model, opt, precision="fp8")
+    with pytest.raises(ValueError, match="normalize"):
+        Accumulator(model, opt, normalize="sequences")
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        Accumulator(model, opt, max_grad_norm=0)
+    with pytest.raises(ValueError, match="accum_steps"):
+        list(windows([1, 2], accum_steps=0))
