@@ -1,8 +1,119 @@
-"""`gradaccum plan` (placeholder until its issue lands)."""
+"""`gradaccum plan`: the batch, memory, time and LR arithmetic of a run, before running it.
 
-from .pending import _not_yet
+Pure arithmetic: nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..memory import CHECKPOINTING, OPTIMIZERS, PRECISIONS
+from ..plan import LR_RULES, PlanError, PlanInputs, flag, make_plan, render_table
+from ..presets import PRESETS
+from ..sizes import SizeError, parse_bytes, parse_count, parse_float, parse_seconds
+from .common import UsageError, print_json
+
+# flag name (dest) -> parser of its text; choices and switches are handled by argparse.
+_COUNTS = (
+    "target_tokens target_sequences accum_steps seq_len micro_batch micro_tokens gpus steps "
+    "total_tokens params layers hidden heads vocab base_batch_tokens"
+)
+_PARSERS = {name: parse_count for name in _COUNTS.split()}
+_PARSERS.update(
+    micro_step_time=parse_seconds,
+    device_memory=lambda text, flag: parse_bytes(text, flag, bare_unit=10**9),
+    peak_tflops=parse_float,
+    base_lr=parse_float,
+    mfu=lambda text, flag: parse_float(text, flag, allow_percent=True),
+)
+
+_EPILOG = """\
+sizes: 4M = 4,000,000  4Mi = 4,194,304  262k  7B  1e6; memory 80GB (1e9 bytes) or 80GiB;
+times 300ms, 1.5s, 2min. Examples:
+  gradaccum plan --target-tokens 1M --seq-len 4096 --micro-batch 4 --gpus 8
+  gradaccum plan --model llama2-7b --target-tokens 4Mi --seq-len 4096 --gpus 8 --zero 3 \\
+      --flash-attention --device-memory 80GB --total-tokens 1T --peak-tflops 989 --mfu 0.4
+"""
 
 
 def add_parser(sub, name: str) -> None:
-    p = sub.add_parser(name, help="(not available yet)")
-    p.set_defaults(run=lambda args: _not_yet(name))
+    p = sub.add_parser(
+        name,
+        help="plan a run: global batch, k, memory per device, time, FLOPs, LR",
+        description="Global batch = micro-batch x k x world: what it gives, what it costs.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    batch = p.add_argument_group("global batch per optimizer step (one of)")
+    batch.add_argument("--target-tokens", metavar="N", help="wanted tokens per step (1M, 4Mi)")
+    batch.add_argument("--target-sequences", metavar="N", help="wanted sequences per step")
+    batch.add_argument("--accum-steps", metavar="K", help="k given: the global batch follows")
+    micro = p.add_argument_group("micro-batch and devices")
+    micro.add_argument("--seq-len", metavar="N", help="tokens per sequence")
+    micro.add_argument("--micro-batch", metavar="N", help="sequences per device per micro-step")
+    micro.add_argument("--micro-tokens", metavar="N", help="tokens per device per micro-step")
+    micro.add_argument("--gpus", "--devices", dest="gpus", metavar="N", help="world size (1)")
+    time = p.add_argument_group("time")
+    time.add_argument("--micro-step-time", metavar="T", help="measured time of one micro-step")
+    time.add_argument("--steps", metavar="N", help="optimizer steps of the run")
+    time.add_argument("--total-tokens", metavar="N", help="tokens to train on (steps round up)")
+    cost = p.add_argument_group("model and cost")
+    cost.add_argument("--params", metavar="N", help="parameter count (7B)")
+    cost.add_argument("--layers", metavar="N", help="model shape: blocks")
+    cost.add_argument("--hidden", metavar="N", help="model shape: width")
+    cost.add_argument("--heads", metavar="N", help="model shape: attention heads")
+    cost.add_argument("--vocab", metavar="N", help="model shape: vocabulary size")
+    cost.add_argument("--model", metavar="NAME", help=f"preset: {', '.join(PRESETS)}")
+    cost.add_argument("--peak-tflops", metavar="X", help="peak TFLOP/s of one device")
+    cost.add_argument("--mfu", metavar="X", help="model FLOPs utilisation, 0.4 or 40%%")
+    memory = p.add_argument_group("memory per device")
+    memory.add_argument("--precision", choices=PRECISIONS, help="bf16 (default): mixed precision")
+    memory.add_argument("--optimizer", choices=OPTIMIZERS, help="adamw (default) or sgd")
+    memory.add_argument("--zero", choices=["0", "1", "2", "3"], help="ZeRO stage over --gpus")
+    memory.add_argument(
+        "--checkpointing", choices=CHECKPOINTING, help="full: keep block inputs only"
+    )
+    memory.add_argument(
+        "--flash-attention",
+        action="store_true",
+        default=None,
+        help="fused attention: the s x s scores are never stored",
+    )
+    memory.add_argument("--device-memory", metavar="SIZE", help="80GB, 64GiB; bare number: GB")
+    lr = p.add_argument_group("learning rate")
+    lr.add_argument("--base-lr", metavar="X", help="LR tuned at --base-batch-tokens")
+    lr.add_argument("--base-batch-tokens", metavar="N", help="global batch of --base-lr, tokens")
+    lr.add_argument("--lr-rule", choices=LR_RULES, help="sqrt for adamw, linear for sgd")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=run)
+
+
+def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
+    """PlanInputs from parsed flags; raises SizeError or PlanError naming the flag and value."""
+    values = {}
+    for name, parse in _PARSERS.items():
+        text = getattr(args, name)
+        values[name] = None if text is None else parse(text, flag(name))
+    return PlanInputs(
+        **values,
+        model=args.model,
+        precision=args.precision,
+        optimizer=args.optimizer,
+        zero=None if args.zero is None else int(args.zero),
+        checkpointing=args.checkpointing,
+        flash_attention=args.flash_attention,
+        lr_rule=args.lr_rule,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        plan = make_plan(inputs_from_args(args))
+    except (SizeError, PlanError) as err:
+        raise UsageError(str(err)) from None
+    if args.json:
+        print_json(plan.to_dict())
+    else:
+        sys.stdout.write(render_table(plan))
+    return 0

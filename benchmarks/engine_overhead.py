@@ -1,0 +1,143 @@
+"""Accumulator.step against the shortest correct hand-written accumulation loop.
+
+Same model, data, micro-batch and k; the two alternate (A B, then B A, ...) for several rounds
+and the script prints the median tokens/s ratio engine / hand loop. Goal: >= 0.98.
+
+    python benchmarks/engine_overhead.py [--rounds 7] [--windows 6] [--device auto]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from gradaccum import Accumulator, devices
+from gradaccum.train.model import GPT, GPTConfig, causal_lm_loss
+
+IGNORE = -100
+
+
+def make_windows(n_windows, k, micro_batch, seq_len, vocab, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n_windows):
+        window = []
+        for _ in range(k):
+            ids = torch.randint(0, vocab, (micro_batch, seq_len + 1), generator=g)
+            lengths = torch.randint(seq_len // 2, seq_len + 1, (micro_batch,), generator=g)
+            labels = ids[:, 1:].clone()
+            labels[torch.arange(seq_len)[None, :] >= lengths[:, None]] = IGNORE
+            window.append({"input_ids": ids[:, :-1].to(device), "labels": labels.to(device)})
+        out.append(window)
+    return out
+
+
+def hand_loop(model, opt, windows, max_grad_norm):
+    """The shortest correct loop: count the window's tokens, backward loss_sum / N per
+    micro-batch, clip, step and zero once per window."""
+    params = [p for p in model.parameters()]
+    losses = []
+    for window in windows:
+        n = sum((b["labels"] != IGNORE).sum() for b in window)
+        total = 0.0
+        for batch in window:
+            loss_sum, _ = causal_lm_loss(model, batch)
+            (loss_sum / n).backward()
+            total += loss_sum.detach()
+        torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append((total / n).item())
+    return losses
+
+
+def engine_loop(acc, windows):
+    return [acc.step(window, causal_lm_loss).loss for window in windows]
+
+
+def timed(fn, device):
+    devices.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    devices.synchronize(device)
+    return time.perf_counter() - start
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--windows", type=int, default=6, help="windows (optimizer steps) per timing")
+    ap.add_argument("--accum-steps", type=int, default=8)
+    ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument(
+        "--out", default=os.path.join(os.path.dirname(__file__), "results", "engine_overhead.json")
+    )
+    args = ap.parse_args(argv)
+    device = devices.resolve(args.device)
+    vocab = 256
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=vocab, seq_len=args.seq_len, n_layer=2, n_head=4, n_embd=128)
+    base = GPT(cfg).to(device)
+    model_a, model_b = copy.deepcopy(base), copy.deepcopy(base)
+    opt_a = torch.optim.AdamW(model_a.parameters(), lr=1e-3)
+    opt_b = torch.optim.AdamW(model_b.parameters(), lr=1e-3)
+    acc = Accumulator(model_b, opt_b, max_grad_norm=1.0)
+    windows = make_windows(
+        args.windows, args.accum_steps, args.micro_batch, args.seq_len, vocab, device
+    )
+    tokens = sum(int((b["labels"] != IGNORE).sum()) for w in windows for b in w)
+
+    # warm-up, and a check that both compute the same thing
+    loss_a = hand_loop(model_a, opt_a, windows[:1], 1.0)
+    loss_b = engine_loop(acc, windows[:1])
+    assert abs(loss_a[0] - loss_b[0]) <= 1e-5 * abs(loss_a[0]), (loss_a, loss_b)
+
+    ratios, hand_tps, engine_tps = [], [], []
+    for r in range(args.rounds):
+        order = ("hand", "engine") if r % 2 == 0 else ("engine", "hand")
+        t = {}
+        for name in order:
+            if name == "hand":
+                t[name] = timed(lambda: hand_loop(model_a, opt_a, windows, 1.0), device)
+            else:
+                t[name] = timed(lambda: engine_loop(acc, windows), device)
+        hand_tps.append(tokens / t["hand"])
+        engine_tps.append(tokens / t["engine"])
+        ratios.append(engine_tps[-1] / hand_tps[-1])
+        print(
+            f"round {r + 1}: hand {hand_tps[-1]:,.0f} tok/s  engine {engine_tps[-1]:,.0f} tok/s"
+            f"  ratio {ratios[-1]:.3f}",
+            flush=True,
+        )
+    result = {
+        "device": str(device),
+        "torch": torch.__version__,
+        "accum_steps": args.accum_steps,
+        "micro_batch": args.micro_batch,
+        "seq_len": args.seq_len,
+        "rounds": args.rounds,
+        "hand_tokens_per_s_median": statistics.median(hand_tps),
+        "engine_tokens_per_s_median": statistics.median(engine_tps),
+        "ratio_median": statistics.median(ratios),
+        "ratios": ratios,
+    }
+    print(f"median tokens/s ratio engine / hand loop: {result['ratio_median']:.3f} (goal >= 0.98)")
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    tmp = args.out + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=2)
+    os.replace(tmp, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,233 @@
+"""Memory per device for one training step: model state, optimizer state, activations.
+
+All figures are bytes per device (GB in reports means 1e9 bytes). P is the parameter count,
+w the world size, s the sequence length, b the micro-batch in sequences, h the hidden size,
+a the attention heads, L the layers, V the vocabulary.
+
+Precision (`--precision`):
+- fp32: parameters, gradients, optimizer state and activations all in 32-bit.
+- bf16 / fp16 (mixed precision): parameters stored in 16-bit; the optimizer keeps fp32 master
+  weights. The engine adds each 16-bit gradient into an fp32 accumulation buffer as soon as it
+  is produced (a post-accumulate-grad hook) and frees the 16-bit gradient, so gradient memory is
+  the fp32 buffer plus one parameter's 16-bit gradient in flight, whatever k is. fp32
+  parameters need no extra buffer: their .grad is the accumulator.
+
+ZeRO (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+Models"): stage 1 shards optimizer state over w, stage 2 also gradients, stage 3 also
+parameters. With sharded gradients (stage 2 and 3) each micro-batch's gradient is
+reduce-scattered into the shard as it is produced; keeping one sync per window instead means
+holding the unsharded accumulated gradient (see `unsharded_grad_bytes`).
+
+Activations follow Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+Transformer Models", section 4.1: per layer s b h (34 + 5 a s / h) bytes at 16 bit (no tensor
+or sequence parallelism, the paper's 4h GeLU MLP; SwiGLU MLPs of width about 8h/3 keep a
+similar amount). Logits for the loss are kept in fp32: 4 s b V bytes (the paper's cross-entropy
+term). Every activation term is proportional to b, so memory is affine in the micro-batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .presets import ModelShape
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+OPTIMIZERS = ("adamw", "sgd")
+CHECKPOINTING = ("none", "full")
+
+
+@dataclass(frozen=True)
+class MemorySetup:
+    """How a run holds its state on each device."""
+
+    precision: str = "bf16"
+    """fp32, or bf16/fp16 mixed precision (16-bit parameters, fp32 master weights)."""
+    optimizer: str = "adamw"
+    """adamw (two fp32 moments) or sgd (one fp32 momentum buffer)."""
+    zero: int = 0
+    """ZeRO stage 0-3: what is sharded over the world (1 optimizer, 2 +gradients, 3 +params)."""
+    world_size: int = 1
+    """Devices the state is sharded over."""
+    checkpointing: str = "none"
+    """none, or full: keep each layer's input only and recompute the rest in backward."""
+    flash_attention: bool = False
+    """Fused attention that never stores the s x s attention scores."""
+
+    def __post_init__(self):
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision {self.precision!r}: expected one of {PRECISIONS}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer {self.optimizer!r}: expected one of {OPTIMIZERS}")
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"zero {self.zero}: expected a stage from 0 to 3")
+        if self.world_size < 1:
+            raise ValueError(f"world_size {self.world_size}: must be at least 1")
+        if self.checkpointing not in CHECKPOINTING:
+            raise ValueError(f"checkpointing {self.checkpointing!r}: expected {CHECKPOINTING}")
+
+    @property
+    def mixed(self) -> bool:
+        return self.precision != "fp32"
+
+    @property
+    def bytes_per_param(self) -> int:
+        """Bytes per stored parameter and per 16-bit-or-fp32 activation element."""
+        return 2 if self.mixed else 4
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per device; a term is None where the inputs do not determine it."""
+
+    params: int | None
+    grads: int | None
+    """Gradients held as .grad (fp32) or in flight before the fp32 buffer takes them (16-bit)."""
+    accum_buffer: int
+    """The fp32 accumulation buffer of mixed precision; 0 for fp32 parameters."""
+    optimizer: int
+    """Optimizer moments plus fp32 master weights under mixed precision."""
+    activations: int | None
+    """Everything kept for backward in one micro-batch, logits included."""
+    logits: int | None
+    """Of `activations`: the fp32 logits kept for the loss."""
+
+    @property
+    def model_state(self) -> int | None:
+        """The part that does not depend on the micro-batch."""
+        terms = (self.params, self.grads, self.accum_buffer, self.optimizer)
+        return None if None in terms else sum(terms)
+
+    @property
+    def total(self) -> int | None:
+        state = self.model_state
+        return None if state is None or self.activations is None else state + self.activations
+
+
+def _shard(n_bytes: int, setup: MemorySetup, stage: int) -> int:
+    """Bytes left on one device when ZeRO `stage` or above shards them (padded, as FSDP does)."""
+    if setup.zero >= stage:
+        return -(-n_bytes // setup.world_size)
+    return n_bytes
+
+
+def param_bytes(params: int, shape: ModelShape | None, setup: MemorySetup) -> int | None:
+    """Stored parameters: 4P in fp32, 2P in bf16/fp16.
+
+    ZeRO-3 shards them, but the unit that runs (a block, or the embedding, whichever is larger)
+    is gathered whole: one unit whole plus the rest sharded, unit + (P - unit) / w. FSDP's
+    prefetch of the next unit, overlapping communication, comes on top of this.
+    """
+    if setup.zero < 3 or setup.world_size == 1:
+        return setup.bytes_per_param * params
+    if shape is None:
+        return None
+    unit = max(shape.layer_params, shape.vocab * shape.hidden)
+    rest = -(-max(0, params - unit) // setup.world_size)
+    return setup.bytes_per_param * (unit + rest)
+
+
+def grad_bytes(params: int, shape: ModelShape | None, setup: MemorySetup) -> int | None:
+    """Gradients outside the accumulation buffer.
+
+    fp32: 4P of .grad (sharded by ZeRO-2), plus the fresh gradient of the largest tensor
+    before autograd adds it into .grad. bf16/fp16: only one parameter's 16-bit gradient at a
+    time, 2 x largest tensor: the hook moves it into the fp32 buffer and frees it.
+    """
+    if shape is None:
+        return None
+    in_flight = setup.bytes_per_param * shape.largest_tensor
+    if setup.mixed:
+        return in_flight
+    return _shard(4 * params, setup, 2) + in_flight
+
+
+def accum_buffer_bytes(params: int, setup: MemorySetup) -> int:
+    """The fp32 accumulation buffer: 4P under bf16/fp16 (sharded by ZeRO-2), none in fp32."""
+    return _shard(4 * params, setup, 2) if setup.mixed else 0
+
+
+def optimizer_bytes(params: int, setup: MemorySetup) -> int:
+    """AdamW: two fp32 moments, 8P. SGD with momentum: 4P. Mixed precision adds 4P fp32
+    master weights (Micikevicius et al. 2018). ZeRO-1 and above shard all of it."""
+    moments = 8 * params if setup.optimizer == "adamw" else 4 * params
+    master = 4 * params if setup.mixed else 0
+    return _shard(moments + master, setup, 1)
+
+
+def layer_activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, setup) -> int:
+    """One block's saved activations (Korthikanti et al. 2022, section 4.1).
+
+    16-bit: s b h (34 + 5 a s / h) = 34 s b h + 5 a s^2 b. The 34 is 11 (attention) + 19 (MLP)
+    + 4 (two LayerNorms); 32 of it are 2-byte tensors, 2 are 1-byte dropout masks. 5 a s^2 b
+    is the score matrix: softmax output (2), its dropout mask (1), dropout output (2).
+    fp32 doubles the 2-byte tensors: 66 s b h + 9 a s^2 b. Flash attention drops the s^2 term.
+    """
+    s, b, h, a = seq_len, micro_batch, shape.hidden, shape.heads
+    per_sbh, per_as2b = (34, 5) if setup.mixed else (66, 9)
+    scores = 0 if setup.flash_attention else per_as2b * a * s * s * b
+    return per_sbh * s * b * h + scores
+
+
+def activation_bytes(
+    shape: ModelShape, micro_batch: int, seq_len: int, setup: MemorySetup
+) -> tuple[int, int]:
+    """(all activations of one micro-batch, of which logits), in bytes.
+
+    No checkpointing: L blocks' full activations. Full checkpointing: each block keeps only its
+    input, 2 s b h at 16 bit (4 s b h in fp32), and backward recomputes one block at a time, so
+    one block's full activations come on top, less its input, which is the checkpoint itself
+    (the first norm's input in a pre-norm block). Logits: 4 s b V, fp32 for the loss.
+    """
+    one_layer = layer_activation_bytes(shape, micro_batch, seq_len, setup)
+    if setup.checkpointing == "full":
+        block_input = setup.bytes_per_param * seq_len * micro_batch * shape.hidden
+        layers = shape.layers * block_input + one_layer - block_input
+    else:
+        layers = shape.layers * one_layer
+    logits = 4 * seq_len * micro_batch * shape.vocab
+    return layers + logits, logits
+
+
+def estimate(
+    params: int,
+    shape: ModelShape | None,
+    setup: MemorySetup,
+    micro_batch: int | None = None,
+    seq_len: int | None = None,
+) -> MemoryEstimate:
+    """Every term for one device. Activations need the shape, the micro-batch and seq_len."""
+    activations = logits = None
+    if shape is not None and micro_batch is not None and seq_len is not None:
+        activations, logits = activation_bytes(shape, micro_batch, seq_len, setup)
+    return MemoryEstimate(
+        params=param_bytes(params, shape, setup),
+        grads=grad_bytes(params, shape, setup),
+        accum_buffer=accum_buffer_bytes(params, setup),
+        optimizer=optimizer_bytes(params, setup),
+        activations=activations,
+        logits=logits,
+    )
+
+
+def max_micro_batch(
+    params: int, shape: ModelShape, setup: MemorySetup, seq_len: int, device_memory: int
+) -> int:
+    """Largest micro-batch (sequences) whose total fits `device_memory` bytes; 0 if none does.
+
+    Memory is model state plus b times one sequence's activations, so the answer is exact:
+    floor((device_memory - model state) / activations per sequence).
+    """
+    state = estimate(params, shape, setup).model_state
+    per_sequence, _ = activation_bytes(shape, 1, seq_len, setup)
+    if state is None or state > device_memory:
+        return 0
+    return (device_memory - state) // per_sequence
+
+
+def unsharded_grad_bytes(params: int) -> int:
+    """The accumulated gradient kept whole on each device: 4P (fp32 .grad or fp32 buffer).
+
+    This is what one sync per window holds between micro-batches under ZeRO-2/3, where
+    syncing every micro-batch would hold only 4P / w.
+    """
+    return 4 * params

@@ -1,0 +1,171 @@
+"""What the user asked of a plan, checked: one PlanError naming the flag and value if not.
+
+Field names are the flag names (micro_batch is --micro-batch), so messages name the flag.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .memory import CHECKPOINTING, OPTIMIZERS, PRECISIONS
+from .presets import preset
+from .sizes import fmt_count_exact
+
+LR_RULES = ("linear", "sqrt")
+_COUNTS = (
+    "target_tokens target_sequences accum_steps seq_len micro_batch micro_tokens gpus steps "
+    "total_tokens params layers hidden heads vocab device_memory base_batch_tokens"
+).split()
+
+
+class PlanError(ValueError):
+    """Inputs that make no plan; the message names the flag and the value."""
+
+
+def flag(name: str) -> str:
+    """The command-line flag of a PlanInputs field: micro_batch -> --micro-batch."""
+    return "--" + name.replace("_", "-")
+
+
+def show_value(value) -> str:
+    """A value as a message shows it: 4000000 -> '4M', 0.25 -> '0.25', 262144 -> '262144'."""
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 10_000:
+        short = fmt_count_exact(value)
+        return short if short[-1] in "kMBT" else str(value)
+    return str(value)
+
+
+@dataclass
+class PlanInputs:
+    """What the user said; None where a flag was not given. Counts are whole numbers."""
+
+    target_tokens: int | None = None
+    """Global batch wanted per optimizer step, in tokens."""
+    target_sequences: int | None = None
+    """Global batch wanted per optimizer step, in sequences."""
+    accum_steps: int | None = None
+    """k given directly instead of a target."""
+    seq_len: int | None = None
+    """Tokens per sequence."""
+    micro_batch: int | None = None
+    """Sequences per device per micro-step."""
+    micro_tokens: int | None = None
+    """Tokens per device per micro-step."""
+    gpus: int | None = None
+    """World size (data-parallel devices); 1 when not given."""
+    micro_step_time: float | None = None
+    """Measured seconds for one micro-step (forward and backward of one micro-batch)."""
+    steps: int | None = None
+    """Optimizer steps of the run."""
+    total_tokens: int | None = None
+    """Tokens the run should train on; steps are rounded up to reach it."""
+    params: int | None = None
+    """Parameter count, when no shape is given."""
+    layers: int | None = None
+    hidden: int | None = None
+    heads: int | None = None
+    vocab: int | None = None
+    model: str | None = None
+    """A preset name (see gradaccum.presets.PRESETS)."""
+    peak_tflops: float | None = None
+    """Peak dense TFLOP/s of one device at the training precision."""
+    mfu: float | None = None
+    """Model FLOPs utilisation, a fraction in (0, 1]."""
+    precision: str | None = None
+    """fp32 | bf16 | fp16; bf16 when not given."""
+    optimizer: str | None = None
+    """adamw | sgd; adamw when not given."""
+    zero: int | None = None
+    """ZeRO stage 0-3, sharding over the world; 0 when not given."""
+    checkpointing: str | None = None
+    """none | full; none when not given."""
+    flash_attention: bool | None = None
+    device_memory: int | None = None
+    """Bytes of memory on one device."""
+    base_lr: float | None = None
+    """Learning rate tuned at --base-batch-tokens."""
+    base_batch_tokens: int | None = None
+    """Global batch, in tokens, at which --base-lr was tuned."""
+    lr_rule: str | None = None
+    """linear | sqrt; sqrt for adamw and linear for sgd when not given."""
+
+    def __post_init__(self):
+        for name in _COUNTS:
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise PlanError(f"{flag(name)} {value}: must be a whole number, at least 1")
+        for name in ("micro_step_time", "peak_tflops", "mfu", "base_lr"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise PlanError(f"{flag(name)} {value}: must be greater than zero")
+        if self.mfu is not None and self.mfu > 1:
+            raise PlanError(f"--mfu {self.mfu}: must be a fraction in (0, 1], e.g. 0.4 or 40%")
+        for name, choices in (
+            ("precision", PRECISIONS),
+            ("optimizer", OPTIMIZERS),
+            ("checkpointing", CHECKPOINTING),
+            ("lr_rule", LR_RULES),
+            ("zero", (0, 1, 2, 3)),
+        ):
+            value = getattr(self, name)
+            if value is not None and value not in choices:
+                raise PlanError(f"{flag(name)} {value}: expected one of {choices}")
+        self._check_conflicts()
+        self._check_companions()
+
+    def _given(self, *names: str) -> list[str]:
+        return [n for n in names if getattr(self, n) is not None]
+
+    def _check_conflicts(self) -> None:
+        shape = ("layers", "hidden", "heads", "vocab")
+        pairs = [
+            ("target_tokens", "target_sequences"),
+            ("micro_batch", "micro_tokens"),
+            ("accum_steps", "target_tokens"),
+            ("accum_steps", "target_sequences"),
+            ("steps", "total_tokens"),
+            ("params", "model"),
+        ]
+        pairs += [(a, b) for a in ("params", "model") for b in shape]
+        for a, b in pairs:
+            if getattr(self, a) is not None and getattr(self, b) is not None:
+                raise PlanError(
+                    f"{flag(a)} {show_value(getattr(self, a))} conflicts with "
+                    f"{flag(b)} {show_value(getattr(self, b))}: give one of them"
+                )
+
+    def _check_companions(self) -> None:
+        shape = ("layers", "hidden", "heads", "vocab")
+        given = self._given(*shape)
+        if given and len(given) < len(shape):
+            missing = ", ".join(flag(n) for n in shape if n not in given)
+            first = given[0]
+            raise PlanError(
+                f"{flag(first)} {getattr(self, first)}: a model shape also needs {missing}"
+            )
+        if given and self.hidden % self.heads:
+            raise PlanError(f"--hidden {self.hidden}: not divisible by --heads {self.heads}")
+        needs = [
+            ("mfu", "peak_tflops"),
+            ("base_lr", "base_batch_tokens"),
+            ("base_batch_tokens", "base_lr"),
+            ("lr_rule", "base_lr"),
+        ]
+        if self.peak_tflops is not None and self.mfu is None and self.micro_step_time is None:
+            raise PlanError(
+                f"--peak-tflops {self.peak_tflops:g}: needs --mfu (or --micro-step-time, "
+                "to measure the MFU)"
+            )
+        for name, other in needs:
+            if getattr(self, name) is not None and getattr(self, other) is None:
+                raise PlanError(
+                    f"{flag(name)} {show_value(getattr(self, name))}: needs {flag(other)}"
+                )
+        if self.model is not None:
+            try:
+                preset(self.model)
+            except KeyError as err:
+                raise PlanError(f"--model {self.model}: {err.args[0]}") from None

@@ -1,0 +1,144 @@
+"""Decoder-only transformer shapes, and their exact parameter counts derived from the shape.
+
+The count is built from the tensors each architecture really has (fused or not, biases or not),
+so it matches what the released checkpoints report (e.g. Llama 2 7B: 6,738,415,616).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The shape of a decoder-only transformer, enough to count parameters and activations."""
+
+    name: str
+    """Preset name, or 'custom' for a shape given on the command line."""
+    layers: int
+    """Number of transformer blocks."""
+    hidden: int
+    """Model width h (the residual stream), in elements."""
+    heads: int
+    """Attention heads a."""
+    vocab: int
+    """Vocabulary size V (rows of the embedding)."""
+    kv_heads: int | None = None
+    """Key/value heads for grouped-query attention; None means as many as `heads`."""
+    ffn: int | None = None
+    """Width of the MLP's inner layer; None means 4 x hidden."""
+    gated_mlp: bool = False
+    """SwiGLU-style MLP with three matrices (gate, up, down) instead of two."""
+    biases: bool = False
+    """Linear layers and norms carry biases (GPT-2); Llama has none."""
+    tied_embeddings: bool = True
+    """The output projection shares the input embedding's weights."""
+    positions: int = 0
+    """Rows of a learned position embedding (GPT-2: 1024); 0 for rotary positions."""
+
+    def __post_init__(self):
+        for field in ("layers", "hidden", "heads", "vocab"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"{field} {getattr(self, field)}: must be at least 1")
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden {self.hidden} is not divisible by heads {self.heads}")
+        if self.heads % self.num_kv_heads:
+            raise ValueError(f"heads {self.heads} not divisible by kv_heads {self.num_kv_heads}")
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.heads if self.kv_heads is None else self.kv_heads
+
+    @property
+    def ffn_size(self) -> int:
+        return 4 * self.hidden if self.ffn is None else self.ffn
+
+    @property
+    def _norm(self) -> int:
+        """Parameters in one norm: LayerNorm with bias has 2h, RMSNorm (no bias) h."""
+        return 2 * self.hidden if self.biases else self.hidden
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters in one transformer block."""
+        h, f = self.hidden, self.ffn_size
+        kv = self.num_kv_heads * (h // self.heads)
+        attention = h * h + 2 * h * kv + h * h  # q, k, v, output projections
+        mlp = (3 if self.gated_mlp else 2) * h * f
+        if self.biases:
+            attention += h + 2 * kv + h
+            mlp += (2 if self.gated_mlp else 1) * f + h
+        return attention + mlp + 2 * self._norm
+
+    @property
+    def embedding_params(self) -> int:
+        """Token embedding, learned positions, and the output projection when it is not tied."""
+        h = self.hidden
+        output = 0 if self.tied_embeddings else self.vocab * h
+        return self.vocab * h + self.positions * h + output
+
+    @property
+    def params(self) -> int:
+        """Total parameter count: blocks, embeddings, final norm."""
+        return self.layers * self.layer_params + self.embedding_params + self._norm
+
+    @property
+    def largest_tensor(self) -> int:
+        """Elements of the largest parameter tensor: its gradient is the largest in flight."""
+        h = self.hidden
+        kv = self.num_kv_heads * (h // self.heads)
+        qkv = h * (h + 2 * kv) if self.biases else h * h  # GPT-2 fuses q, k, v into one matrix
+        return max(self.vocab * h, h * self.ffn_size, qkv)
+
+
+PRESETS: dict[str, ModelShape] = {
+    shape.name: shape
+    for shape in (
+        # Radford et al. 2019; the Hugging Face `gpt2` and `gpt2-medium` checkpoints.
+        ModelShape("gpt2-124m", 12, 768, 12, 50257, biases=True, positions=1024),
+        ModelShape("gpt2-350m", 24, 1024, 16, 50257, biases=True, positions=1024),
+        # Touvron et al. 2023 (Llama 2), Table 1 and the released configs.
+        ModelShape(
+            "llama2-7b", 32, 4096, 32, 32000, ffn=11008, gated_mlp=True, tied_embeddings=False
+        ),
+        ModelShape(
+            "llama2-13b", 40, 5120, 40, 32000, ffn=13824, gated_mlp=True, tied_embeddings=False
+        ),
+        ModelShape(
+            "llama2-70b",
+            80,
+            8192,
+            64,
+            32000,
+            kv_heads=8,
+            ffn=28672,
+            gated_mlp=True,
+            tied_embeddings=False,
+        ),
+        # Meta Llama 3 8B config: GQA with 8 key/value heads, 128k vocabulary.
+        ModelShape(
+            "llama3-8b",
+            32,
+            4096,
+            32,
+            128256,
+            kv_heads=8,
+            ffn=14336,
+            gated_mlp=True,
+            tied_embeddings=False,
+        ),
+    )
+}
+
+
+def preset(name: str) -> ModelShape:
+    """The preset called `name` (case-insensitive); KeyError listing the known names otherwise."""
+    key = name.strip().lower()
+    if key not in PRESETS:
+        raise KeyError(f"unknown model {name!r}; known: {', '.join(PRESETS)}")
+    return PRESETS[key]
+
+
+def custom(layers: int, hidden: int, heads: int, vocab: int) -> ModelShape:
+    """A shape from --layers/--hidden/--heads/--vocab: GPT-style, 4h MLP, tied, no biases."""
+    return ModelShape("custom", layers, hidden, heads, vocab)
