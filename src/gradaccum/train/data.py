@@ -1,0 +1,302 @@
+"""Tokens to train on, split and batched: the built-in corpus or the user's own data.
+
+`load_tokens(spec, seq_len, ...)` reads
+- None: the built-in Markov corpus (gradaccum.train.corpus), generated from the seed;
+- "PATH.txt": the file's bytes as tokens 0..255, vocabulary 257 (256 is the end-of-document id,
+  which a single text file does not use);
+- "PATH.bin": raw uint16 token ids (nanoGPT's format); "PATH.npy": a 1-D uint16 or uint32 array;
+  both memory-mapped, never read whole;
+- "hf:NAME[:SPLIT]": a `datasets` dataset (optional extra), its "text" column as UTF-8 bytes
+  with the end-of-document id 256 after each row, held in memory.
+
+Split: the last `val_fraction` of the token stream (at least one sequence) is held out for
+evaluation, the rest is for training; no token of the held-out tail is ever trained on.
+Sequences: sequence i of a split is tokens [i*T, i*T + T] (T + 1 tokens, T = seq_len), so
+neighbours share one token and every token but the first is a label exactly once.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from .corpus import MarkovCorpus
+
+__all__ = ["Batches", "DataError", "DataInfo", "MarkovCorpus", "TokenDataset", "load_tokens"]
+
+BYTE_VOCAB = 257
+"""Byte-level vocabulary: the 256 byte values and an end-of-document id (256)."""
+
+DEFAULT_CORPUS_TOKENS = 8_000_000
+"""Tokens generated for the built-in corpus (about 16 MB, about half a second)."""
+
+
+class DataError(ValueError):
+    """Data that cannot be used as given; the message names the flag: `--data PATH: ...`."""
+
+
+class TokenDataset:
+    """Training sequences of `seq_len + 1` tokens over a 1-D token array (memory-mapped or not).
+
+    len(ds) is the number of sequences; ds[i] is a LongTensor of seq_len + 1 tokens
+    (inputs x[:-1], labels x[1:]).
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int):
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        self.tokens = tokens
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return max(0, (len(self.tokens) - 1) // self.seq_len)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if not 0 <= i < len(self):
+            raise IndexError(f"sequence {i} out of range for {len(self)} sequences")
+        start = i * self.seq_len
+        return torch.from_numpy(np.asarray(self.tokens[start : start + self.seq_len + 1], np.int64))
+
+    def batch(self, indices) -> torch.Tensor:
+        """Sequences `indices` stacked: a (len(indices), seq_len + 1) LongTensor."""
+        starts = np.asarray(indices, dtype=np.int64) * self.seq_len
+        rows = self.tokens[starts[:, None] + np.arange(self.seq_len + 1)]
+        return torch.from_numpy(rows.astype(np.int64))
+
+
+def _as_batch(rows: torch.Tensor) -> dict:
+    return {"input_ids": rows[:, :-1].contiguous(), "labels": rows[:, 1:].contiguous()}
+
+
+class Batches:
+    """An endless, deterministic iterator of micro-batches of `micro_batch` sequences.
+
+    Epoch e visits the sequences in a permutation seeded by (seed, e). Each micro-step all
+    `world_size` ranks together consume the next world_size * micro_batch sequences of that
+    permutation, rank r its own slice: at this rank's position p (within the epoch) it takes
+    perm[(p * world_size + rank) * micro_batch + i], i < micro_batch. The epoch's last
+    sequences that do not fill a whole micro-step are skipped, so ranks never overlap and
+    never wait. Yields {"input_ids": (b, T) long, "labels": (b, T) long}.
+    """
+
+    def __init__(
+        self,
+        ds: TokenDataset,
+        micro_batch: int,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        start: int = 0,
+    ):
+        if micro_batch < 1:
+            raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} not in [0, world_size {world_size})")
+        self.per_epoch = len(ds) // (micro_batch * world_size)
+        """Micro-batches each rank takes per epoch."""
+        if self.per_epoch == 0:
+            raise DataError(
+                f"--micro-batch {micro_batch}: the training split holds {len(ds)} sequences, "
+                f"fewer than one micro-batch on each of {world_size} rank(s)"
+            )
+        self.ds, self.micro_batch, self.seed = ds, micro_batch, seed
+        self.rank, self.world_size = rank, world_size
+        self.position = start
+        """Micro-batches this rank has consumed since the start (over all epochs)."""
+        self._epoch, self._perm = -1, None
+
+    @property
+    def epoch(self) -> int:
+        return self.position // self.per_epoch
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        epoch, p = divmod(self.position, self.per_epoch)
+        if epoch != self._epoch:
+            self._perm = np.random.default_rng((self.seed, epoch)).permutation(len(self.ds))
+            self._epoch = epoch
+        first = (p * self.world_size + self.rank) * self.micro_batch
+        self.position += 1
+        return _as_batch(self.ds.batch(self._perm[first : first + self.micro_batch]))
+
+    def state_dict(self) -> dict:
+        return {
+            "position": self.position,
+            "seed": self.seed,
+            "micro_batch": self.micro_batch,
+            "world_size": self.world_size,
+            "num_sequences": len(self.ds),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        # Any of these changed would silently change which sequences come next.
+        for key, now in (
+            ("seed", self.seed),
+            ("micro_batch", self.micro_batch),
+            ("world_size", self.world_size),
+            ("num_sequences", len(self.ds)),
+        ):
+            if state[key] != now:
+                raise ValueError(f"cannot resume data position: {key} was {state[key]}, now {now}")
+        self.position = int(state["position"])
+
+
+def eval_batches(
+    ds: TokenDataset,
+    micro_batch: int,
+    max_sequences: int | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+):
+    """The first `max_sequences` sequences of `ds` in order, in micro-batches, rank r taking
+    every world_size-th micro-batch: the same evaluation set every time."""
+    n = len(ds) if max_sequences is None else min(len(ds), max_sequences)
+    for k, first in enumerate(range(0, n, micro_batch)):
+        if k % world_size == rank:
+            yield _as_batch(ds.batch(range(first, min(n, first + micro_batch))))
+
+
+@dataclass
+class DataInfo:
+    source: str
+    """Where the tokens came from, in words."""
+    vocab_size: int
+    """Token ids are in [0, vocab_size): the model's vocabulary must be at least this."""
+    entropy_floor: float | None
+    """Nats per token no model can beat in expectation (built-in corpus only, else None)."""
+    num_tokens: int
+    """Tokens in the whole stream, both splits."""
+    train_tokens: int
+    """Tokens in the training split."""
+    val_tokens: int
+    """Tokens in the held-out split."""
+    eod_token: int | None
+    """The end-of-document id, where the source has one."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def load_tokens(
+    spec: str | None,
+    seq_len: int,
+    seed: int = 0,
+    val_fraction: float = 0.05,
+    vocab_size: int | None = None,
+    corpus: MarkovCorpus | None = None,
+    corpus_tokens: int = DEFAULT_CORPUS_TOKENS,
+):
+    """(train, val, info) for `--data spec`; see the module docstring for the formats.
+
+    seq_len: tokens per training sequence. seed: samples the built-in corpus.
+    val_fraction: share of tokens held out (0 for none; else at least one sequence).
+    vocab_size: the model's vocabulary when it is fixed (an HF config, a checkpoint): ids at or
+        above it are refused; None takes the data's own.
+    corpus, corpus_tokens: the built-in chain and how many tokens to draw from it.
+    Raises DataError naming `--data` on bad input.
+    """
+    if not 0.0 <= val_fraction < 1.0:
+        raise DataError(f"--val-fraction {val_fraction}: must be in [0, 1)")
+    eod, floor, top = None, None, None
+    if spec is None:
+        corpus = corpus or MarkovCorpus()
+        tokens = corpus.generate(corpus_tokens, seed)
+        data_vocab, eod, floor = corpus.vocab_size, corpus.eod_token, corpus.entropy_rate
+        source = (
+            f"built-in Markov corpus (vocab {corpus.vocab_size}, branching "
+            f"{corpus.branching}, mean document {corpus.mean_doc_len:g} tokens, seed {seed})"
+        )
+    elif spec.startswith("hf:"):
+        tokens = _load_hf(spec)
+        data_vocab, eod, source = BYTE_VOCAB, BYTE_VOCAB - 1, f"Hugging Face dataset {spec[3:]}"
+    else:
+        tokens, data_vocab = _load_file(spec)
+        source = spec
+        if not spec.lower().endswith(".txt"):
+            top = data_vocab - 1  # already the largest id in the file
+    flag = "--data " + (spec if spec is not None else "(built-in)")
+    if vocab_size is not None and len(tokens):
+        top = int(tokens.max()) if top is None else top
+        if top >= vocab_size:
+            raise DataError(
+                f"{flag}: token id {top} is outside the model's vocabulary of {vocab_size}"
+            )
+    n, need = len(tokens), seq_len + 1
+    n_val = 0 if val_fraction == 0 else max(need, int(round(val_fraction * n)))
+    if n - n_val < need:
+        held = f" plus {n_val} held out" if n_val else ""
+        raise DataError(f"{flag}: {n} tokens, too few for one sequence of {need} tokens{held}")
+    train, val = (
+        TokenDataset(tokens[: n - n_val], seq_len),
+        TokenDataset(tokens[n - n_val :], seq_len),
+    )
+    return train, val, DataInfo(source, int(data_vocab), floor, n, n - n_val, n_val, eod)
+
+
+def _load_file(path: str) -> tuple[np.ndarray, int]:
+    """Memory-mapped tokens of a .txt/.bin/.npy file and its vocabulary size."""
+    flag = f"--data {path}"
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in (".txt", ".bin", ".npy"):
+        raise DataError(
+            f"{flag}: unknown format; expected a .txt, .bin or .npy file or hf:NAME[:SPLIT]"
+        )
+    if not os.path.isfile(path):
+        raise DataError(f"{flag}: no such file")
+    size = os.path.getsize(path)
+    if ext == ".txt":
+        return _memmap(path, np.uint8, size), BYTE_VOCAB
+    if ext == ".bin":
+        if size % 2:
+            raise DataError(f"{flag}: {size} bytes is not a whole number of uint16 token ids")
+        tokens = _memmap(path, np.uint16, size)
+    else:
+        try:
+            tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (ValueError, OSError) as err:
+            raise DataError(f"{flag}: not a readable .npy array ({err})") from None
+        if tokens.dtype not in (np.uint16, np.uint32):
+            raise DataError(f"{flag}: dtype {tokens.dtype}; token ids must be uint16 or uint32")
+        if tokens.ndim != 1:
+            raise DataError(f"{flag}: shape {tokens.shape}; token ids must be a 1-D array")
+    # The vocabulary is what the ids use: one pass over the file.
+    return tokens, (int(tokens.max()) + 1 if len(tokens) else 1)
+
+
+def _memmap(path: str, dtype, size: int) -> np.ndarray:
+    # np.memmap refuses an empty file; an empty array fails the length check like any short one.
+    return np.memmap(path, dtype=dtype, mode="r") if size else np.zeros(0, dtype)
+
+
+def _load_hf(spec: str) -> np.ndarray:
+    """Byte tokens of a `datasets` dataset's text column, EOD (256) after each row."""
+    name, _, split = spec[3:].partition(":")
+    flag = f"--data {spec}"
+    if not name:
+        raise DataError(f"{flag}: expected hf:NAME[:SPLIT]")
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(
+            f"{flag}: needs the datasets package (pip install 'gradaccum[hf]')"
+        ) from None
+    try:
+        ds = datasets.load_dataset(name, split=split or "train")
+    except Exception as err:  # datasets raises many kinds (missing, offline, bad split)
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise DataError(f"{flag}: cannot load ({first})") from None
+    if "text" not in ds.column_names:
+        raise DataError(f"{flag}: no 'text' column (columns: {', '.join(ds.column_names)})")
+    eod = np.array([BYTE_VOCAB - 1], np.uint16)
+    parts = []
+    for text in ds["text"]:
+        if text is None:
+            continue
+        parts.append(np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.uint16))
+        parts.append(eod)
+    return np.concatenate(parts) if parts else np.zeros(0, np.uint16)
