@@ -52,7 +52,12 @@ class StepResult:
     peak_memory_bytes: int | None = None
     """Peak device memory since the window began; None where the device does not track it."""
     grad_collectives: int = 0
-    """Gradient collectives the engine issued itself (the fp32-buffer path under DDP)."""
+    """Gradient collectives launched in the window on this rank: DDP bucket all-reduces,
+    FSDP2 reduce-scatters, or the engine's own all-reduce of its fp32 buffer (bf16/fp16
+    parameters under DDP). 0 on one device; -1 when they could not be counted (a DDP model
+    that already had a communication hook: see `sync.count_grad_traffic`)."""
+    grad_bytes: int = 0
+    """Bytes of gradient this rank handed to those collectives (-1 when not counted)."""
 
 
 def count_labels(ignore_index: int = -100, key: str = "labels") -> Callable[[object], torch.Tensor]:
@@ -94,7 +99,9 @@ def windows(iterable: Iterable, accum_steps: int, drop_last: bool = False) -> It
 class Accumulator:
     """Runs windows of micro-batches and one optimizer step per window.
 
-    model: a plain module, or one wrapped in DistributedDataParallel or sharded with FSDP2.
+    model: a plain module, or one wrapped in DistributedDataParallel or sharded with FSDP2
+      (their gradient collectives get counted: `sync.count_grad_traffic`, which also says how
+      to keep a DDP communication hook of your own).
     count_tokens: "auto" counts `labels != ignore_index` in dict batches before the first
       backward; a callable(batch) -> int does it for other batches; None (or a batch "auto"
       cannot read) rescales the summed gradient once at the window's end instead.
@@ -148,6 +155,7 @@ class Accumulator:
         self._autocast = autocast_dtype(precision)
         self._data_parallel = sync.averages_over_ranks(model)
         self._last_batch = None
+        self._traffic = sync.count_grad_traffic(model) if self._data_parallel else None
 
         low = any(is_low_precision(p.dtype) for p in self._params)
         # FSDP2 reduces and shards gradients itself (its MixedPrecisionPolicy sets the reduce
@@ -208,7 +216,8 @@ class Accumulator:
         its last batch with weight 0, so every rank joins the same collectives.
         """
         micro_batches = list(micro_batches)
-        window = self.begin_window(micro_batches)
+        has_batch = bool(micro_batches) or self._last_batch is not None
+        window = self._begin(micro_batches, None, has_batch)
         for i in range(window.micro_steps):
             real = i < len(micro_batches)
             batch = micro_batches[i] if real else self._last_batch
@@ -228,12 +237,15 @@ class Accumulator:
         `tokens` is this rank's valid-token count when known. Then, per micro-batch:
         `with w.micro_step(): loss_sum, n = ...; w.backward(loss_sum, n)`; finally `w.finish()`.
         """
+        return self._begin(micro_batches, tokens, has_batch=True)
+
+    def _begin(self, micro_batches: list | int, tokens: int | None, has_batch: bool) -> Window:
         local_steps = micro_batches if isinstance(micro_batches, int) else len(micro_batches)
         counted = self._count_local(micro_batches) if tokens is None else int(tokens)
         known = counted is not None and self.normalize == "tokens"
         total, steps = counted or 0, local_steps
         if self._data_parallel:
-            total, steps = sync.agree_on_window(total, local_steps)
+            total, steps = sync.agree_on_window(total, local_steps, has_batch=has_batch)
         return Window(self, steps, total if known else None)
 
     def _count_local(self, micro_batches) -> int | None:
@@ -312,6 +324,8 @@ class Window:
         self._late_scale: float | None = None
         self._loss_total = torch.zeros((), dtype=torch.float64, device=acc.device)
         self._tokens_seen = torch.zeros((), dtype=torch.float64, device=acc.device)
+        traffic = acc._traffic
+        self._traffic_start = (traffic.collectives, traffic.bytes) if traffic else (0, 0)
         devices.reset_peak_memory(acc.device)
 
     @contextmanager
@@ -334,9 +348,12 @@ class Window:
         loss_sum = loss_sum.float()
         n = torch.as_tensor(num_tokens, device=loss_sum.device).to(torch.float64)
         if acc.normalize == "micro_batch_mean":
-            factor = 1.0 / self.micro_steps
-            scaled = loss_sum / n.clamp(min=1).float() * factor
-            self._loss_total += weight * scaled.detach().double()
+            mean = loss_sum / n.clamp(min=1).float() * (1.0 / self.micro_steps)
+            self._loss_total += weight * mean.detach().double()
+            # The sync must leave the mean over ranks: DDP and FSDP2 average (rank factor =
+            # world, times 1 here); the engine's own fp32 sync sums (rank factor 1).
+            world = sync.world_size() if acc._data_parallel else 1
+            scaled = mean * (self._rank_factor / world)
         else:
             factor = self._rank_factor * self._token_factor(n)
             scaled = loss_sum * factor
@@ -427,8 +444,22 @@ class Window:
             skipped_total=acc.skipped_total,
             loss_scale=scale,
             peak_memory_bytes=devices.peak_memory_bytes(acc.device),
-            grad_collectives=1 if acc._manual_sync else 0,
+            **self._traffic_counts(),
         )
+
+    def _traffic_counts(self) -> dict[str, int]:
+        acc = self.acc
+        if acc._manual_sync:  # DDP never syncs: the engine's one all-reduce is the traffic
+            flat = acc._flat
+            return {"grad_collectives": 1, "grad_bytes": flat.numel() * flat.element_size()}
+        if acc._traffic is None:  # one device (nothing to count), or counting was refused
+            none = 0 if not acc._data_parallel else -1
+            return {"grad_collectives": none, "grad_bytes": none}
+        start_collectives, start_bytes = self._traffic_start
+        return {
+            "grad_collectives": acc._traffic.collectives - start_collectives,
+            "grad_bytes": acc._traffic.bytes - start_bytes,
+        }
 
     def _hand_to_optimizer(self) -> None:
         acc = self.acc
@@ -448,7 +479,10 @@ def _bind(fn: Callable[[str, torch.Tensor], None], name: str) -> Callable[[torch
 def _total_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     if not grads:
         return torch.zeros((), device=device)
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    else:
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
     if hasattr(norm, "full_tensor"):  # DTensor gradients under FSDP2
         norm = norm.full_tensor()
     return norm

@@ -2,12 +2,15 @@
 
 One tiny interface per backend: DDP skips its all-reduce inside `no_sync()`; FSDP2 modules
 take `set_requires_gradient_sync(False)`; a plain module needs nothing. The token count of a
-window and its loss are summed over ranks with one small collective each.
+window and its loss are summed over ranks with one small collective each. `GradTraffic`
+counts the gradient collectives a wrapper launches (a DDP communication hook, an FSDP2
+reduce-scatter), so each window can report how many it cost.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -59,21 +62,48 @@ def no_backward_sync(model: torch.nn.Module, enabled: bool = True):
     return nullcontext()
 
 
-def agree_on_window(local_tokens: int, local_micro_steps: int, group=None) -> tuple[int, int]:
+def agree_on_window(
+    local_tokens: int, local_micro_steps: int, group=None, has_batch: bool = True
+) -> tuple[int, int]:
     """Sum token counts and take the largest micro-step count over ranks, in one collective.
 
     Returns (tokens over all ranks, micro-steps every rank must run). A rank whose data ran
     out reports 0 micro-steps and still learns how many backward passes to join.
+    `has_batch` says whether this rank has any batch to run those passes on (its own, or one
+    it repeats with weight 0); when some rank has none, every rank raises the same error
+    instead of the others waiting for it in a collective.
     """
     if not is_distributed(group):
         return local_tokens, local_micro_steps
-    mine = torch.tensor([local_tokens, local_micro_steps], dtype=torch.int64)
+    mine = torch.tensor([local_tokens, local_micro_steps, int(has_batch)], dtype=torch.int64)
     device = _collective_device(group)
     mine = mine.to(device)
-    gathered = torch.empty(world_size(group) * 2, dtype=mine.dtype, device=device)
-    dist.all_gather_into_tensor(gathered, mine, group=group)
-    gathered = gathered.view(-1, 2).cpu()
-    return int(gathered[:, 0].sum()), int(gathered[:, 1].max())
+    gathered = torch.empty(world_size(group) * 3, dtype=mine.dtype, device=device)
+    _all_gather(gathered, mine, group)
+    gathered = gathered.view(-1, 3).cpu()
+    tokens, steps = int(gathered[:, 0].sum()), int(gathered[:, 1].max())
+    stranded = [r for r in range(gathered.shape[0]) if not gathered[r, 2]]
+    if steps > 0 and stranded:
+        raise RuntimeError(
+            f"ranks {stranded} have no micro-batch for a window of {steps} micro-steps: "
+            "their data was empty from the first window on"
+        )
+    return tokens, steps
+
+
+def max_over_ranks(value: int, group=None) -> int:
+    """The largest of one integer over ranks: one 8-byte all-reduce (none when alone)."""
+    if not is_distributed(group):
+        return value
+    out = torch.tensor([value], dtype=torch.int64, device=_collective_device(group))
+    dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
+    return int(out.item())
+
+
+def _all_gather(output: torch.Tensor, tensor: torch.Tensor, group=None) -> None:
+    # all_gather_single replaces all_gather_into_tensor (deprecated in newer torch).
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, tensor, group=group)
 
 
 def all_reduce_sum(values: torch.Tensor, group=None) -> torch.Tensor:
@@ -95,3 +125,120 @@ def _collective_device(group=None) -> torch.device:
     mod = getattr(torch, kind, None)
     index = mod.current_device() if mod is not None and hasattr(mod, "current_device") else 0
     return torch.device(kind, index)
+
+
+# ---- counting gradient collectives --------------------------------------------------------
+
+
+@dataclass
+class GradTraffic:
+    """Gradient collectives a DDP or FSDP2 model launched, counted as they are launched."""
+
+    collectives: int = 0
+    """DDP bucket all-reduces or FSDP2 reduce-scatters so far."""
+    bytes: int = 0
+    """Bytes of gradient this rank handed to them (the input of each collective; a ring
+    all-reduce puts about twice that on the wire)."""
+
+    def record(self, tensor: torch.Tensor) -> None:
+        self.collectives += 1
+        self.bytes += tensor.numel() * tensor.element_size()
+
+
+def count_grad_traffic(model: torch.nn.Module, hook=None, state=None) -> GradTraffic | None:
+    """Count the gradient collectives of a DDP or FSDP2 model; returns the counter, or None
+    when they cannot be counted. The Accumulator calls it; the counter stays with the model,
+    so calling it again returns the same one.
+
+    DDP: registers a communication hook that counts each bucket, then reduces it with
+    `hook(state, bucket)`: by default DDP's own averaging all-reduce over the model's process
+    group. DDP takes one hook per model: to use another (PowerSGD, fp16 compression), pass it
+    and its state here instead of calling `register_comm_hook`, before building the
+    Accumulator; bytes are then those handed to your hook. A model that already has a hook
+    returns None. FSDP2: every sharded module's reduce-scatter is wrapped to count, then
+    reduce-scatter as before (HSDP's all-reduce across replicas is not counted); None when
+    a module has several parameter groups (per-parameter meshes).
+    """
+    existing = getattr(model, _TRAFFIC_ATTR, None)
+    if existing is not None:
+        return existing
+    traffic = GradTraffic()
+    if is_ddp(model):
+        if hook is None:
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+            hook, state = allreduce_hook, model.process_group
+        try:
+            model.register_comm_hook(traffic, _counted(hook, state))
+        except RuntimeError:  # a hook is already registered: DDP allows one
+            return None
+    elif is_fsdp2(model):
+        sharded = [m for m in model.modules() if hasattr(m, "set_custom_reduce_scatter")]
+        try:
+            for module in sharded:
+                module.set_custom_reduce_scatter(
+                    _CountedReduceScatter(traffic, _current_reduce_scatter(module))
+                )
+        except ValueError:  # several parameter groups in one module: no custom comm
+            return None
+    else:
+        return None
+    setattr(model, _TRAFFIC_ATTR, traffic)
+    return traffic
+
+
+_TRAFFIC_ATTR = "_gradaccum_grad_traffic"
+
+
+def _counted(hook, state):
+    # No annotation on `bucket`: DDP compares it with dist.GradBucket, and under postponed
+    # evaluation it would be a string.
+    def counted_hook(traffic: GradTraffic, bucket):
+        traffic.record(bucket.buffer())
+        return hook(state, bucket)
+
+    return counted_hook
+
+
+def _current_reduce_scatter(module):
+    """The reduce-scatter comm FSDP2 uses for `module` now (a custom one the user set, or
+    symmetric memory), so counting keeps it; None (plain reduce-scatter) where FSDP2's
+    internals differ: it has no public getter."""
+    try:
+        groups = module._get_fsdp_state()._fsdp_param_groups
+        return groups[0]._reduce_scatter_comm if groups else None
+    except (AttributeError, IndexError, TypeError):
+        return None
+
+
+class _CountedReduceScatter:
+    """FSDP2's reduce-scatter comm (the `ReduceScatter` interface of `fully_shard`), counted;
+    it delegates to `inner` when given."""
+
+    def __init__(self, traffic: GradTraffic, inner=None):
+        self.traffic = traffic
+        self.inner = inner
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if self.inner is not None:
+            return self.inner.allocate(size, dtype=dtype, device=device)
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        self.traffic.record(input_tensor)
+        if self.inner is not None:
+            return self.inner(
+                output_tensor=output_tensor,
+                input_tensor=input_tensor,
+                group=group,
+                op=op,
+                async_op=async_op,
+            )
+        # reduce_scatter_single replaces reduce_scatter_tensor in newer torch.
+        if hasattr(dist, "reduce_scatter_single"):
+            return dist.reduce_scatter_single(
+                output_tensor, input_tensor, op=op, group=group, async_op=async_op
+            )
+        return dist.reduce_scatter_tensor(
+            output_tensor, input_tensor, op=op, group=group, async_op=async_op
+        )

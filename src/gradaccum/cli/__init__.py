@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("gradaccum: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `gradaccum plan --json | head`: the reader left, nothing to say
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":
