@@ -1,0 +1,241 @@
+"""Checkpoints that a kill at any moment cannot break.
+
+Layout under --out:
+
+    checkpoints/step-00000200/   model.pt      the model's state_dict (tensors only)
+                                 config.json   what train/model.py's build_model(init_from=)
+                                               reads to rebuild the model
+                                 trainer.pt    optimizer, scheduler, accumulator, data position,
+                                               RNG states, config, progress counters
+                                 train_config.json   the run's settings as given (for --resume)
+    checkpoints/latest           the name of the newest complete checkpoint
+
+A checkpoint is written into a temporary folder next to the others, every file fsynced, then
+renamed into place (a rename is atomic); only then does `latest` move to it (written aside and
+renamed too), and only then are older checkpoints removed. A kill at any point leaves the
+previous checkpoint and a `latest` that names a complete folder. Everything is saved as
+tensors and plain containers, so both files load with torch.load(weights_only=True).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+_NAME = re.compile(r"^step-(\d+)$")
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint read back from disk."""
+
+    path: str
+    """The checkpoint's folder."""
+    step: int
+    """Optimizer steps taken when it was saved."""
+    model_state: dict
+    """The model's state_dict (unwrapped: no DDP `module.` prefix)."""
+    model_config: dict
+    """The model's config.json."""
+    trainer_state: dict
+    """Everything else the run needs to continue exactly (see save())."""
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_synced(path: str, write) -> None:
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    """Write a small file aside, fsync it, rename it over `path`."""
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(text.encode("utf-8"))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(folder)
+
+
+def save_model(folder: str, model_state: dict, model_config: dict) -> None:
+    """model.pt (state_dict) and config.json into `folder`, each fsynced."""
+    _write_synced(os.path.join(folder, "model.pt"), lambda f: torch.save(model_state, f))
+    text = json.dumps(model_config, indent=2, sort_keys=True).encode("utf-8")
+    _write_synced(os.path.join(folder, "config.json"), lambda f: f.write(text))
+
+
+def save(
+    out: str,
+    step: int,
+    model_state: dict,
+    model_config: dict,
+    trainer_state: dict,
+    run_config: dict | None = None,
+    keep: int = 1,
+) -> str:
+    """Write checkpoint `step` under out/checkpoints atomically; keep the newest `keep`.
+
+    Returns the checkpoint's folder. If writing fails (or the process dies), the previous
+    checkpoint and `latest` are untouched.
+    """
+    root = os.path.join(out, CHECKPOINTS)
+    os.makedirs(root, exist_ok=True)
+    name = f"step-{step:08d}"
+    final = os.path.join(root, name)
+    tmp = tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root)
+    try:
+        save_model(tmp, model_state, model_config)
+        _write_synced(os.path.join(tmp, "trainer.pt"), lambda f: torch.save(trainer_state, f))
+        if run_config is not None:
+            text = json.dumps(run_config, indent=2, sort_keys=True).encode("utf-8")
+            _write_synced(os.path.join(tmp, "train_config.json"), lambda f: f.write(text))
+        _fsync_dir(tmp)
+        if os.path.exists(final):
+            # A folder of this step left by a run that died before moving `latest` to it:
+            # `latest` does not name it, so it can go.
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    write_text_atomic(os.path.join(root, LATEST), name + "\n")
+    _prune(root, keep)
+    return final
+
+
+def _steps(root: str) -> list[tuple[int, str]]:
+    found = []
+    for entry in os.listdir(root):
+        match = _NAME.match(entry)
+        if match and os.path.isdir(os.path.join(root, entry)):
+            found.append((int(match.group(1)), entry))
+    return sorted(found)
+
+
+def _prune(root: str, keep: int) -> None:
+    latest = read_latest_name(root)
+    complete = [name for _, name in _steps(root)]
+    for name in complete[: max(0, len(complete) - keep)]:
+        if name != latest:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    for entry in os.listdir(root):  # half-written folders of runs that died mid-save
+        if entry.startswith(".tmp-"):
+            path = os.path.join(root, entry)
+            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.unlink(path)
+
+
+def read_latest_name(root: str) -> str | None:
+    path = os.path.join(root, LATEST)
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        name = f.read().strip()
+    return name if _NAME.match(name) and os.path.isdir(os.path.join(root, name)) else None
+
+
+def find_latest(out: str) -> str | None:
+    """The folder of the newest complete checkpoint under `out`, or None.
+
+    `latest` decides; without it (a run killed between its first rename and writing
+    `latest`), the highest complete step-* folder: a folder only gets that name once whole.
+    """
+    root = os.path.join(out, CHECKPOINTS)
+    if not os.path.isdir(root):
+        return None
+    name = read_latest_name(root)
+    if name is None:
+        steps = _steps(root)
+        if not steps:
+            return None
+        name = steps[-1][1]
+    return os.path.join(root, name)
+
+
+def load(path: str, map_location="cpu") -> Checkpoint:
+    """Read a checkpoint folder (as returned by find_latest) with weights_only=True."""
+    model_state = torch.load(
+        os.path.join(path, "model.pt"), map_location=map_location, weights_only=True
+    )
+    trainer_state = torch.load(
+        os.path.join(path, "trainer.pt"), map_location=map_location, weights_only=True
+    )
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        model_config = json.load(f)
+    return Checkpoint(
+        path=path,
+        step=int(trainer_state["step"]),
+        model_state=model_state,
+        model_config=model_config,
+        trainer_state=trainer_state,
+    )
+
+
+def read_run_config(path: str) -> dict:
+    """The run settings saved with a checkpoint folder (train_config.json)."""
+    with open(os.path.join(path, "train_config.json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def rng_state() -> dict:
+    """Python, numpy and torch (CPU) RNG states, as tensors and numbers."""
+    py_version, py_state, py_gauss = random.getstate()
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    return {
+        "python": {
+            "version": py_version,
+            "state": torch.tensor(py_state, dtype=torch.int64),
+            "gauss": py_gauss,
+        },
+        "numpy": {
+            "name": np_name,
+            "keys": torch.from_numpy(np_keys.astype(np.int64)),
+            "pos": int(np_pos),
+            "has_gauss": int(np_has_gauss),
+            "gauss": float(np_gauss),
+        },
+        "torch": torch.get_rng_state(),
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what rng_state() returned."""
+    py = state["python"]
+    random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
+    nps = state["numpy"]
+    np.random.set_state(
+        (
+            nps["name"],
+            nps["keys"].numpy().astype(np.uint32),
+            nps["pos"],
+            nps["has_gauss"],
+            nps["gauss"],
+        )
+    )
+    torch.set_rng_state(state["torch"])

@@ -1,0 +1,127 @@
+"""What a run writes as it goes: metrics.jsonl (a line per window) and loss.png.
+
+Each line is flushed as written, so `tail -f metrics.jsonl` follows a run and a killed run
+keeps every line it finished. On resume the file is cut back to the lines the checkpoint had
+seen, so it ends up equal to the uninterrupted run's file, timing fields aside.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+# Fields that measure wall-clock time: they can never match between two runs.
+TIMING_FIELDS = ("tokens_per_s", "elapsed_s")
+
+
+def _clean(value):
+    # JSON has no NaN or inf: a skipped window's grad_norm is written as null.
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class MetricsWriter:
+    """Appends one JSON object per line to `path`, flushed at once.
+
+    keep_lines: on resume, how many lines of an existing file to keep (the rest came after the
+    checkpoint and will be written again); None starts a new file.
+    """
+
+    def __init__(self, path: str, keep_lines: int | None = None):
+        self.path = path
+        self.lines = 0
+        if keep_lines is None:
+            self._file = open(path, "w", encoding="utf-8")
+            return
+        kept = read_metrics_text(path)[:keep_lines] if os.path.exists(path) else []
+        if len(kept) < keep_lines:
+            raise ValueError(
+                f"{path} holds {len(kept)} lines but the checkpoint saw {keep_lines}; "
+                "it was changed after the checkpoint"
+            )
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(line + "\n" for line in kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        self.lines = len(kept)
+        self._file = open(path, "a", encoding="utf-8")
+
+    def write(self, record: dict) -> None:
+        self._file.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+        self._file.flush()
+        self.lines += 1
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def read_metrics_text(path: str) -> list[str]:
+    """The complete lines of a metrics file (a line cut short by a kill is dropped)."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    lines = text.split("\n")
+    return [line for line in lines[:-1] if line]  # the part after the last newline is partial
+
+
+def read_metrics(path: str) -> list[dict]:
+    """Every record of a metrics.jsonl file, in order."""
+    return [json.loads(line) for line in read_metrics_text(path)]
+
+
+def without_timing(records: list[dict]) -> list[dict]:
+    """The records with the wall-clock fields dropped: what two equal runs share exactly."""
+    return [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in records]
+
+
+def plot_loss(
+    records: list[dict], path: str, entropy_floor: float | None = None, title: str = ""
+) -> bool:
+    """Write loss against tokens (and eval loss, and the floor) to `path`, atomically.
+
+    Returns False, writing nothing, when matplotlib is not installed (an optional extra).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    train = [r for r in records if r.get("loss") is not None and "eval_loss" not in r]
+    evals = [r for r in records if r.get("eval_loss") is not None]
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    ax.plot([r["tokens"] for r in train], [r["loss"] for r in train], lw=1.2, label="train loss")
+    if evals:
+        ax.plot(
+            [r["tokens"] for r in evals],
+            [r["eval_loss"] for r in evals],
+            "o-",
+            ms=4,
+            lw=1,
+            label="eval loss (held out)",
+        )
+    if entropy_floor is not None:
+        ax.axhline(
+            entropy_floor, ls="--", color="k", lw=1, label=f"entropy floor {entropy_floor:.3f} nats"
+        )
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("loss (nats per token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = path + ".tmp"
+    fig.savefig(tmp, format="png")
+    plt.close(fig)
+    os.replace(tmp, path)
+    return True

@@ -1,0 +1,184 @@
+"""From a TrainConfig to the numbers a run trains with: micro-batch, k, steps, warmup.
+
+The batch arithmetic is gradaccum.plan's, the same `gradaccum plan` prints: k =
+round(tokens_per_step / (micro_batch x seq_len x world)), at least 1, and the table says how
+far the real batch lands from the target. `--micro-batch auto` picks the micro-batch here:
+
+- on an accelerator, the largest the plan's memory estimate fits in the device's memory that
+  lands closest to the target (the plan's own choice);
+- on CPU, where memory is rarely the limit and bigger matmuls stop paying off early, the
+  largest power of two of at most CPU_MICRO_TOKENS tokens that still leaves k >= 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import devices
+from ..plan import Plan, PlanError, PlanInputs, make_plan, render_table
+from .config import DEFAULT_MAX_TOKENS, DEFAULT_TOKENS_PER_STEP, TrainConfig, TrainConfigError
+
+CPU_MICRO_TOKENS = 2048
+"""Most tokens per micro-batch `--micro-batch auto` takes on CPU: on two cores, throughput
+of the tiny model is flat from about 1k to 2k tokens per micro-batch and falls beyond."""
+
+
+@dataclass
+class Resolved:
+    """The run's batch and length, as trained."""
+
+    micro_batch: int
+    """Sequences per forward/backward on each rank."""
+    accum_steps: int
+    """Micro-batches per optimizer step (k)."""
+    world_size: int
+    """Ranks (torchrun processes)."""
+    seq_len: int
+    """Tokens per sequence."""
+    tokens_per_step: int
+    """micro_batch x seq_len x k x world: tokens per optimizer step, as trained."""
+    total_steps: int
+    """Optimizer steps of the whole run."""
+    warmup_steps: int
+    """Optimizer steps of LR warmup."""
+    plan: Plan
+    """The plan the table prints (memory estimate included)."""
+    table: str
+    """render_table(plan), the way `gradaccum plan` shows it."""
+
+    def summary(self) -> dict:
+        """What a checkpoint records, to refuse a resume that would read other data."""
+        return {
+            "micro_batch": self.micro_batch,
+            "accum_steps": self.accum_steps,
+            "world_size": self.world_size,
+            "seq_len": self.seq_len,
+        }
+
+    def check_matches(self, saved: dict, out: str) -> None:
+        """Raise TrainConfigError unless the checkpoint was trained with this batch."""
+        flags = {
+            "micro_batch": "--micro-batch",
+            "accum_steps": "--accum-steps",
+            "world_size": "--nproc-per-node",
+            "seq_len": "--seq-len",
+        }
+        for key, now in self.summary().items():
+            if saved.get(key) != now:
+                raise TrainConfigError(
+                    f"{flags[key]} {now}: the checkpoint in {out} was trained with "
+                    f"{saved.get(key)}; resume with the same value"
+                )
+
+    def config_values(self) -> dict:
+        """The config fields as resolved, for the run's train.toml."""
+        return {
+            "micro_batch": self.micro_batch,
+            "accum_steps": self.accum_steps,
+            "tokens_per_step": self.tokens_per_step,
+            "max_steps": self.total_steps,
+            "max_tokens": None,
+            "warmup_steps": self.warmup_steps,
+        }
+
+
+def _largest_power_of_two(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+def resolve_plan(
+    config: TrainConfig, model_info, world_size: int, device: torch.device
+) -> Resolved:
+    """Micro-batch, k, steps and warmup for `config` on `device`; TrainConfigError if none."""
+    seq_len, k = config.seq_len, config.accum_steps
+    target = config.tokens_per_step
+    if target is None and k is None:
+        target = DEFAULT_TOKENS_PER_STEP
+    base = dict(
+        seq_len=seq_len,
+        gpus=world_size,
+        layers=model_info.layers,
+        hidden=model_info.hidden,
+        heads=model_info.heads,
+        vocab=model_info.vocab_size,
+        precision=config.precision,
+        checkpointing="full" if config.activation_checkpointing else "none",
+        flash_attention=device.type == "cuda",
+        device_memory=devices.total_memory_bytes(device),
+    )
+    per_rank_seq = None if target is None else target // (seq_len * world_size)
+    if target is not None and per_rank_seq < 1:
+        raise TrainConfigError(
+            f"--tokens-per-step {target}: below one sequence of --seq-len {seq_len} on each of "
+            f"{world_size} rank(s)"
+        )
+
+    micro = config.micro_batch
+    if micro == "auto" and target is not None and k is not None:
+        micro, rest = divmod(target, seq_len * k * world_size)
+        if rest or micro < 1:
+            raise TrainConfigError(
+                f"--tokens-per-step {target}: not a whole number of micro-batches of "
+                f"{seq_len}-token sequences x --accum-steps {k} x {world_size} rank(s)"
+            )
+    elif micro == "auto":
+        micro = _auto_micro_batch(base, target, per_rank_seq, device)
+    elif target is not None and k is not None and micro * seq_len * k * world_size != target:
+        raise TrainConfigError(
+            f"--accum-steps {k}: --micro-batch {micro} x --seq-len {seq_len} x k x "
+            f"{world_size} rank(s) is {micro * seq_len * k * world_size} tokens, not "
+            f"--tokens-per-step {target}; give two of the three"
+        )
+
+    length = (
+        {"steps": config.max_steps}
+        if config.max_steps is not None
+        else {"total_tokens": config.max_tokens or DEFAULT_MAX_TOKENS}
+    )
+    batch = {"accum_steps": k} if k is not None else {"target_tokens": target}
+    try:
+        plan = make_plan(PlanInputs(micro_batch=micro, **batch, **length, **base))
+    except PlanError as err:
+        raise TrainConfigError(str(err)) from None
+    steps = plan.steps
+    warmup = config.warmup_steps
+    if warmup is None:
+        warmup = min(100, steps // 10)
+    elif warmup > steps:
+        raise TrainConfigError(f"--warmup-steps {warmup}: longer than the run ({steps} steps)")
+    return Resolved(
+        micro_batch=micro,
+        accum_steps=plan.accum_steps,
+        world_size=world_size,
+        seq_len=seq_len,
+        tokens_per_step=plan.global_batch_tokens,
+        total_steps=steps,
+        warmup_steps=warmup,
+        plan=plan,
+        table=render_table(plan),
+    )
+
+
+def _auto_micro_batch(
+    base: dict, target: int | None, per_rank_seq: int | None, device: torch.device
+) -> int:
+    if base["device_memory"] is None:  # CPU (and MPS): no memory figure to fit into
+        cap = max(1, CPU_MICRO_TOKENS // base["seq_len"])
+        return _largest_power_of_two(min(cap, per_rank_seq or cap))
+    try:
+        if target is not None:
+            chosen = make_plan(PlanInputs(target_tokens=target, **base)).micro_batch
+            if chosen:
+                return chosen
+        fit = make_plan(PlanInputs(**base)).memory.max_micro_batch
+    except PlanError as err:
+        raise TrainConfigError(str(err)) from None
+    if not fit:
+        raise TrainConfigError(
+            f"--micro-batch auto: not even one sequence of {base['seq_len']} tokens fits in "
+            f"{device}'s memory by the estimate; try --activation-checkpointing or a smaller "
+            "--seq-len"
+        )
+    return _largest_power_of_two(min(fit, per_rank_seq or fit))
