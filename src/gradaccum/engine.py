@@ -322,8 +322,10 @@ class Window:
         self._index = 0
         self._rank_factor = sync.world_size() if acc._data_parallel and not acc._manual_sync else 1
         self._late_scale: float | None = None
-        self._loss_total = torch.zeros((), dtype=torch.float64, device=acc.device)
-        self._tokens_seen = torch.zeros((), dtype=torch.float64, device=acc.device)
+        # Per micro-batch (summed loss or mean, valid tokens), summed once at finish: no
+        # small tensor arithmetic on the per-micro-batch path.
+        self._losses: list[torch.Tensor] = []
+        self._counts: list[torch.Tensor | int] = []
         traffic = acc._traffic
         self._traffic_start = (traffic.collectives, traffic.bytes) if traffic else (0, 0)
         devices.reset_peak_memory(acc.device)
@@ -343,30 +345,38 @@ class Window:
 
     def backward(self, loss_sum: torch.Tensor, num_tokens, weight: float = 1.0) -> None:
         """Backward of one micro-batch's summed loss, scaled so that the window adds up to the
-        token mean (or the micro-batch mean, if the Accumulator was built that way)."""
+        token mean (or the micro-batch mean, if the Accumulator was built that way). Weight 0
+        marks a repeated batch that only joins the collectives."""
         acc = self.acc
         loss_sum = loss_sum.float()
-        n = torch.as_tensor(num_tokens, device=loss_sum.device).to(torch.float64)
         if acc.normalize == "micro_batch_mean":
-            mean = loss_sum / n.clamp(min=1).float() * (1.0 / self.micro_steps)
-            self._loss_total += weight * mean.detach().double()
+            n = torch.as_tensor(num_tokens, device=loss_sum.device).clamp(min=1)
+            mean = loss_sum / n / self.micro_steps
             # The sync must leave the mean over ranks: DDP and FSDP2 average (rank factor =
             # world, times 1 here); the engine's own fp32 sync sums (rank factor 1).
             world = sync.world_size() if acc._data_parallel else 1
-            scaled = mean * (self._rank_factor / world)
+            scaled, factor, kept = mean, self._rank_factor / world, mean
         else:
-            factor = self._rank_factor * self._token_factor(n)
-            scaled = loss_sum * factor
-            self._loss_total += weight * loss_sum.detach().double()
-        self._tokens_seen += weight * n
-        if weight != 1.0:
-            scaled = scaled * weight
+            scaled, factor, kept = (
+                loss_sum,
+                self._rank_factor * self._token_factor(num_tokens),
+                loss_sum,
+            )
+        if weight:
+            self._losses.append(kept.detach())
+            self._counts.append(num_tokens)
+        else:
+            factor = 0.0
         if acc.scaler.enabled:
-            scaled = scaled * acc.scaler.scale
-        with torch.autocast(acc.device.type, enabled=False):
+            factor *= acc.scaler.scale
+        scaled = scaled * factor
+        if acc._autocast is None:
             scaled.backward()
+        else:
+            with torch.autocast(acc.device.type, enabled=False):
+                scaled.backward()
 
-    def _token_factor(self, n: torch.Tensor) -> float:
+    def _token_factor(self, n) -> float:
         if self.tokens is not None:
             return 1.0 / max(self.tokens, 1)
         if self._late_scale is None:
@@ -376,7 +386,7 @@ class Window:
             if self.acc._data_parallel:
                 self._late_scale = 1.0 / self.micro_steps
             else:
-                self._late_scale = 1.0 / (max(float(n.item()), 1.0) * self.micro_steps)
+                self._late_scale = 1.0 / (max(float(n), 1.0) * self.micro_steps)
         return self._late_scale
 
     def finish(self) -> StepResult:
@@ -387,7 +397,15 @@ class Window:
                 if id(p) not in acc._written:
                     buf.zero_()  # a parameter unused on this rank adds nothing
             dist.all_reduce(acc._flat)
-        stats = torch.stack([self._loss_total, self._tokens_seen])
+        device = acc.device
+        stats = torch.zeros(2, dtype=torch.float64, device=device)
+        if self._losses:
+            stats[0] = torch.stack(self._losses).to(device, torch.float64).sum()
+            stats[1] = (
+                torch.stack([torch.as_tensor(c).to(device) for c in self._counts])
+                .to(torch.float64)
+                .sum()
+            )
         if acc._data_parallel:
             stats = sync.all_reduce_sum(stats)
         grads = acc._gradients()

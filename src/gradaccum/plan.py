@@ -147,7 +147,7 @@ def _model(i: PlanInputs) -> tuple[ModelShape | None, int | None]:
         return shape, shape.params
     if i.layers is not None:
         shape = custom(i.layers, i.hidden, i.heads, i.vocab)
-        return shape, shape.params
+        return shape, i.params if i.params is not None else shape.params
     return None, i.params
 
 

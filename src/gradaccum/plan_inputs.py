@@ -129,7 +129,9 @@ class PlanInputs:
             ("steps", "total_tokens"),
             ("params", "model"),
         ]
-        pairs += [(a, b) for a in ("params", "model") for b in shape]
+        # --params with a shape is allowed: the shape sizes activations, --params counts
+        # what the shape formula leaves out (biases, learned positions, untied heads).
+        pairs += [("model", b) for b in shape]
         for a, b in pairs:
             if getattr(self, a) is not None and getattr(self, b) is not None:
                 raise PlanError(

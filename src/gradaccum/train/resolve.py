@@ -99,6 +99,7 @@ def resolve_plan(
     base = dict(
         seq_len=seq_len,
         gpus=world_size,
+        params=model_info.params,
         layers=model_info.layers,
         hidden=model_info.hidden,
         heads=model_info.heads,
