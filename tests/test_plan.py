@@ -397,7 +397,9 @@ def test_any_valid_inputs_give_a_plan_or_a_plan_error(**inputs):
 def test_params_with_a_shape_counts_params_and_sizes_activations_by_shape():
     # The shape formula leaves out biases and learned positions; --params gives the true count.
     shape = dict(layers=2, hidden=64, heads=2, vocab=100, seq_len=32, micro_batch=4)
-    counted = make_plan(PlanInputs(params=10**9, precision="fp32", steps=10, accum_steps=1, **shape))
+    counted = make_plan(
+        PlanInputs(params=10**9, precision="fp32", steps=10, accum_steps=1, **shape)
+    )
     by_shape = make_plan(PlanInputs(precision="fp32", steps=10, accum_steps=1, **shape))
     assert counted.to_dict()["params"] == 10**9
     assert counted.memory.params_gb == pytest.approx(4.0)  # 1e9 fp32 parameters x 4 bytes
