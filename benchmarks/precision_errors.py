@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from reference import (  # noqa: E402
     GradRecorder,
     big_batch_grads,
+    exact_fp64_sum,
     make_gpt,
     make_mlp,
     max_rel_error,
@@ -44,19 +45,6 @@ def engine_grads(model, data, **kwargs):
     return opt.seen[0]
 
 
-def fp64_sum_of_micro_grads(model, data):
-    model = copy.deepcopy(model)
-    total = sum(int((b["labels"] != -100).sum()) for b in data)
-    out = None
-    for batch in data:
-        model.zero_grad()
-        loss_sum, _ = token_loss(model, batch)
-        (loss_sum / total).backward()
-        grads = [p.grad.double() for p in model.parameters()]
-        out = grads if out is None else [a + b for a, b in zip(out, grads, strict=True)]
-    return out
-
-
 def main() -> int:
     results: dict[str, float] = {}
 
@@ -72,7 +60,7 @@ def main() -> int:
                 worst("fp32_vs_big_batch", err)
         model = make_mlp(seed).to(torch.bfloat16)
         data = ragged_batches("mlp", 64, seed=1000 + seed, dtype=torch.bfloat16)
-        ref = fp64_sum_of_micro_grads(model, data)
+        ref = exact_fp64_sum(model, data)
         worst(
             "bf16_fp32_buffer_master_weights",
             max_rel_error(engine_grads(model, data, master_weights=True), ref),

@@ -99,6 +99,21 @@ def big_batch_grads(model: nn.Module, micro_batches: list[dict], dtype=None) -> 
     return [p.grad.detach().clone() for p in model.parameters()]
 
 
+def exact_fp64_sum(model, data) -> list[torch.Tensor]:
+    """The window gradient as exact accumulation would give it: each micro-batch's own
+    gradient (in the model's dtype) of loss_sum / N, summed in float64."""
+    model = copy.deepcopy(model)
+    total = sum(int((b["labels"] != IGNORE).sum()) for b in data)
+    out = None
+    for batch in data:
+        model.zero_grad()
+        loss_sum, _ = token_loss(model, batch)
+        (loss_sum / total).backward()
+        grads = [p.grad.double() for p in model.parameters()]
+        out = grads if out is None else [a + b for a, b in zip(out, grads, strict=True)]
+    return out
+
+
 def max_rel_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
     """max over parameters of |got - want| / |want| (Frobenius norms, in float64)."""
     errs = []

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 from reference import (
-    IGNORE,
     GradRecorder,
     big_batch_grads,
+    exact_fp64_sum,
     make_gpt,
     make_mlp,
     max_rel_error,
@@ -20,25 +20,6 @@ from reference import (
 
 from gradaccum import Accumulator
 from gradaccum.precision import LossScaler
-
-
-def _valid(batch) -> int:
-    return int((batch["labels"] != IGNORE).sum())
-
-
-def exact_fp64_sum(model, data) -> list[torch.Tensor]:
-    """The window gradient as exact accumulation would give it: each micro-batch's own bf16
-    gradient of loss_sum / N, summed in float64."""
-    model = copy.deepcopy(model)
-    total = sum(_valid(b) for b in data)
-    out = None
-    for batch in data:
-        model.zero_grad()
-        loss_sum, _ = token_loss(model, batch)
-        (loss_sum / total).backward()
-        grads = [p.grad.double() for p in model.parameters()]
-        out = grads if out is None else [a + b for a, b in zip(out, grads, strict=True)]
-    return out
 
 
 def test_bf16_parameters_accumulate_in_fp32_buffers():

@@ -12,12 +12,12 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from .. import devices, sync
+from ..distributed import RankInfo, init_distributed, teardown
 from ..engine import Accumulator
 from ..schedule import Schedule, make_scheduler
 from . import checkpoint
@@ -33,28 +33,11 @@ EVAL_TOKENS = 32768
 """Held-out tokens the eval loss is measured on (fewer if the split is smaller)."""
 
 
-@dataclass
-class Dist:
-    """This process's place in a torchrun job (rank 0 of 1 without torchrun)."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    owns_group: bool = False
-    """True when train() started the process group and must end it."""
-
-
-def _init_distributed(config: TrainConfig) -> tuple[Dist, torch.device]:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = devices.resolve(config.device, local_rank=local_rank)
-    if world <= 1:
-        return Dist(), device
-    devices.set_current(device)
-    owns = not dist.is_initialized()
-    if owns:
-        dist.init_process_group(backend=devices.distributed_backend(device))
-    return Dist(dist.get_rank(), dist.get_world_size(), local_rank, owns), device
+def _init_distributed(config: TrainConfig) -> RankInfo:
+    try:
+        return init_distributed(device=config.device)
+    except ValueError as err:  # a bad torchrun environment or a device the backend cannot use
+        raise TrainConfigError(f"--device {config.device or 'auto'}: {err}") from None
 
 
 def _load_data(config: TrainConfig):
@@ -125,17 +108,16 @@ def train(config: TrainConfig, should_stop: Callable[[int], bool] | None = None)
     Raises TrainConfigError (a one-line `--flag value: why`) for input found bad only once
     the data or model is read; nothing is written to --out before that point.
     """
-    rank_info, device = _init_distributed(config)
+    rank_info = _init_distributed(config)
     try:
-        return _train(config, rank_info, device, should_stop)
+        return _train(config, rank_info, rank_info.device, should_stop)
     finally:
-        if rank_info.owns_group and dist.is_initialized():
-            dist.destroy_process_group()
+        teardown(rank_info)
 
 
 def _train(
     config: TrainConfig,
-    rank_info: Dist,
+    rank_info: RankInfo,
     device: torch.device,
     should_stop: Callable[[int], bool] | None,
 ) -> dict:
