@@ -92,11 +92,16 @@ def _memory_rows(plan) -> list[tuple[str, str, str, str]]:
         ("memory: gradients", m.grads_gb, "in flight" if plan.precision != "fp32" else ".grad"),
         ("memory: fp32 accum buffer", m.accum_buffer_gb, ""),
         ("memory: optimizer state", m.optimizer_gb, ""),
-        ("memory: activations", m.activations_gb, f"logits {m.logits_gb or 0:.2f} GB of it"),
+        (
+            "memory: activations",
+            m.activations_gb,
+            f"logits {fmt_bytes((m.logits_gb or 0) * 1e9)} of it",
+        ),
         ("memory: total", m.total_gb, "per device"),
         ("device memory", m.device_memory_gb, ""),
     ]
-    rows = [(q, f"{v:,.2f}", "GB", how) for q, v, how in items if v is not None]
+    # GB in --json; here the unit follows the size, so a small model does not read 0.00 GB
+    rows = [(q, fmt_bytes(v * 1e9), "bytes", how) for q, v, how in items if v is not None]
     if m.fits is not None:
         rows.append(("fits", "yes" if m.fits else "NO", "yes / no", "total <= device memory"))
     if m.max_micro_batch is not None:
