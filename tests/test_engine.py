@@ -142,20 +142,51 @@ def test_scheduler_clip_and_zero_grad_once_per_window():
     assert max_rel_error(list(model.parameters()), list(ref.parameters())) <= 1e-5
 
 
-def test_low_level_window_equals_step():
+def test_low_level_window_equals_big_batch():
     model = make_gpt()
-    twin = copy.deepcopy(model)
     data = ragged_batches("gpt", 4, seed=8)
-    got, _ = accumulated_grads(model, data)
-    opt = GradRecorder(twin.parameters())
-    acc = Accumulator(twin, opt)
+    opt = GradRecorder(model.parameters())
+    acc = Accumulator(model, opt)
     window = acc.begin_window(data)
     for batch in data:
         with window.micro_step():
-            loss_sum, n = token_loss(twin, batch)
+            loss_sum, n = token_loss(model, batch)
             window.backward(loss_sum, n)
-    window.finish()
-    assert max_rel_error(opt.seen[0], got) == 0.0
+    result = window.finish()
+    assert max_rel_error(opt.seen[0], big_batch_grads(model, data)) <= 1e-5
+    assert result.tokens == sum(int((b["labels"] != IGNORE).sum()) for b in data)
+
+
+def test_a_loss_fn_that_counts_other_tokens_than_count_tokens_is_refused():
+    # Labels that loss_fn shifts itself (Hugging Face style): the engine's count of valid
+    # labels is not the count of tokens the loss sums over, and the gradient would be off.
+    def shifting_loss(model, batch):
+        logits = model(batch["input_ids"])[:, :-1]
+        labels = batch["labels"][:, 1:]
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]),
+            labels.reshape(-1),
+            ignore_index=IGNORE,
+            reduction="sum",
+        )
+        return loss, (labels != IGNORE).sum()
+
+    model = make_gpt()
+    before = [p.detach().clone() for p in model.parameters()]
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="count_tokens"):
+        acc.step(ragged_batches("gpt", 3, seed=1), shifting_loss)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
+    assert all(p.grad is None for p in model.parameters())
+    # counting the same shifted labels makes it exact again
+    data = ragged_batches("gpt", 3, seed=1)
+    shifted = [
+        {**b, "labels": torch.cat([b["labels"][:, :1], b["labels"][:, 1:]], 1)} for b in data
+    ]
+    opt = GradRecorder(model.parameters())
+    counted = Accumulator(model, opt, count_tokens=lambda b: (b["labels"][:, 1:] != IGNORE).sum())
+    result = counted.step(shifted, shifting_loss)
+    assert result.tokens == sum(int((b["labels"][:, 1:] != IGNORE).sum()) for b in data)
 
 
 def test_micro_grad_hook_sees_each_micro_batch_gradient():
@@ -189,3 +220,5 @@ def test_bad_arguments_are_rejected():
         Accumulator(model, opt, max_grad_norm=0)
     with pytest.raises(ValueError, match="accum_steps"):
         list(windows([1, 2], accum_steps=0))
+    with pytest.raises(ValueError, match="accum_steps"):
+        list(windows([1, 2], accum_steps=2.5))

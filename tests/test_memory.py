@@ -42,11 +42,25 @@ def test_zero_stages_shard_by_hand():
     w = 8
     z1 = mem.estimate(P7, LLAMA7, setup(zero=1, world_size=w))
     assert z1.optimizer == 12 * P7 // w and z1.accum_buffer == 4 * P7 and z1.params == 2 * P7
-    z2 = mem.estimate(P7, LLAMA7, setup(zero=2, world_size=w))
+    # ZeRO-2 shards the gradient only when it syncs every micro-batch; one sync per window
+    # holds the whole accumulated fp32 gradient until the window's end
+    z2 = mem.estimate(P7, LLAMA7, setup(zero=2, world_size=w, sync_every_micro_batch=True))
     assert z2.accum_buffer == 4 * P7 // w and z2.params == 2 * P7
+    z2_window = mem.estimate(P7, LLAMA7, setup(zero=2, world_size=w))
+    assert z2_window.accum_buffer == 4 * P7
     z3 = mem.estimate(P7, LLAMA7, setup(zero=3, world_size=w))
     block = 202_383_360  # one Llama 2 7B block, larger than the 131M embedding
     assert z3.params == 2 * (block + (P7 - block) // w)  # (P7 - block) divides by 8
+
+
+def test_ddp_buckets_add_one_gradient_copy_by_hand():
+    one = mem.estimate(P7, LLAMA7, setup(precision="fp32"))
+    ddp = mem.estimate(P7, LLAMA7, setup(precision="fp32", world_size=8))
+    assert ddp.grads - one.grads == 4 * P7  # DDP's fp32 buckets
+    mixed = mem.estimate(P7, LLAMA7, setup(world_size=8))
+    assert mixed.grads == 2 * LLAMA7.largest_tensor + 2 * P7  # one bf16 grad + bf16 buckets
+    fsdp = mem.estimate(P7, LLAMA7, setup(world_size=8, zero=2))
+    assert fsdp.grads == 2 * LLAMA7.largest_tensor  # no DDP reducer under ZeRO-2/3
 
 
 def test_activations_gpt2_by_hand():

@@ -47,6 +47,37 @@ def test_bf16_parameters_accumulate_in_fp32_buffers():
     assert err_once <= 2.0**-8 < err_bf16
 
 
+class MixedMLP(torch.nn.Module):
+    """An fp32 first layer (as norms and embeddings often stay) and a bf16 second layer."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.fc1 = torch.nn.Linear(8, 32)
+        self.fc2 = torch.nn.Linear(32, 5).to(torch.bfloat16)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)).to(torch.bfloat16))
+
+
+def test_mixed_fp32_and_bf16_parameters_buffer_the_bf16_ones():
+    model = MixedMLP()
+    data = ragged_batches("mlp", 64, seed=31)
+    want = exact_fp64_sum(model, data)
+    first = copy.deepcopy(model)
+    opt = GradRecorder(first.parameters())
+    Accumulator(first, opt, master_weights=True).step(data, token_loss)
+    fp32_path = opt.seen[0]
+    twin = copy.deepcopy(model)
+    opt_bf16 = GradRecorder(twin.parameters())
+    Accumulator(twin, opt_bf16, accum_dtype=torch.bfloat16).step(data, token_loss)
+    # the bf16 layer's gradient is summed in fp32 (error at fp32 rounding), not in bf16
+    err_fp32 = max_rel_error(fp32_path[2:], want[2:])
+    err_bf16 = max_rel_error(opt_bf16.seen[0][2:], want[2:])
+    assert err_fp32 <= 1e-6 and err_fp32 * 10 <= err_bf16
+    assert max_rel_error(fp32_path[:2], want[:2]) <= 1e-6  # the fp32 layer as before
+
+
 def test_bf16_buffer_frees_each_low_precision_grad():
     model = make_mlp().to(torch.bfloat16)
     acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))

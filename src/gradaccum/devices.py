@@ -129,7 +129,10 @@ def empty_cache(device: torch.device) -> None:
 
 def out_of_memory_errors() -> tuple[type[BaseException], ...]:
     """Exception types that mean 'out of device memory' (caught by type, never by message)."""
-    errors: list[type[BaseException]] = [torch.OutOfMemoryError]
+    # torch.OutOfMemoryError is torch >= 2.5; torch.cuda.OutOfMemoryError is the same class.
+    errors: list[type[BaseException]] = [
+        getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+    ]
     npu = _module("npu")
     if npu is not None and hasattr(npu, "OutOfMemoryError"):
         errors.append(npu.OutOfMemoryError)

@@ -84,8 +84,8 @@ def _auto_count(ignore_index: int) -> Callable[[object], torch.Tensor | None]:
 def windows(iterable: Iterable, accum_steps: int, drop_last: bool = False) -> Iterator[list]:
     """Group micro-batches into windows of `accum_steps`; the short last one is kept unless
     `drop_last`. The engine weighs a short window by its own token count."""
-    if accum_steps < 1:
-        raise ValueError(f"accum_steps {accum_steps}: must be at least 1")
+    if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
+        raise ValueError(f"accum_steps {accum_steps!r}: must be a whole number, at least 1")
     window: list = []
     for batch in iterable:
         window.append(batch)
@@ -157,10 +157,11 @@ class Accumulator:
         self._last_batch = None
         self._traffic = sync.count_grad_traffic(model) if self._data_parallel else None
 
-        low = any(is_low_precision(p.dtype) for p in self._params)
         # FSDP2 reduces and shards gradients itself (its MixedPrecisionPolicy sets the reduce
         # dtype), so buffers apply to plain and DDP models only.
-        self._buffered = low and accum_dtype != self._params[0].dtype and not sync.is_fsdp2(model)
+        self._buffered = any(
+            self._needs_buffer(p, accum_dtype) for p in self._params
+        ) and not sync.is_fsdp2(model)
         # Under DDP the buffers are not .grad tensors DDP can reduce: every micro-step runs
         # without DDP's sync and the engine all-reduces the flat fp32 buffer once.
         self._manual_sync = self._buffered and sync.is_ddp(model) and sync.world_size() > 1
@@ -175,10 +176,15 @@ class Accumulator:
 
     # ---- fp32 accumulation buffers and master weights -------------------------------------
 
+    @staticmethod
+    def _needs_buffer(p: torch.Tensor, accum_dtype: torch.dtype) -> bool:
+        # Decided per parameter: a model may mix fp32 (norms, embeddings) and bf16 weights.
+        return is_low_precision(p.dtype) and p.dtype != accum_dtype
+
     def _make_buffers(self, dtype: torch.dtype) -> None:
         # Under manual sync every parameter, fp32 ones too, goes through the flat buffer so a
         # single all-reduce covers the whole gradient.
-        chosen = [p for p in self._params if self._manual_sync or is_low_precision(p.dtype)]
+        chosen = [p for p in self._params if self._manual_sync or self._needs_buffer(p, dtype)]
         self._flat = torch.zeros(sum(p.numel() for p in chosen), dtype=dtype, device=self.device)
         offset = 0
         for p in chosen:
@@ -201,7 +207,7 @@ class Accumulator:
         if self.optimizer.state:
             raise ValueError("master_weights=True: build the Accumulator before the first step")
         for p in self._params:
-            if is_low_precision(p.dtype):
+            if p in self._buffers and is_low_precision(p.dtype):
                 self._masters[p] = torch.nn.Parameter(p.detach().to(self._flat.dtype))
         for group in self.optimizer.param_groups:
             group["params"] = [self._masters.get(p, p) for p in group["params"]]
@@ -423,13 +429,21 @@ class Window:
             loss = loss_total / torch.as_tensor(n_tokens, dtype=torch.float64).clamp(min=1)
         else:
             loss = loss_total / (sync.world_size() if acc._data_parallel else 1)
-        loss_f, norm_f, tokens_f = torch.stack(
+        loss_f, norm_f, tokens_f, reported = torch.stack(
             [
                 loss.double(),
                 norm.double().to(loss.device),
                 torch.as_tensor(n_tokens, dtype=torch.float64, device=loss.device),
+                tokens_seen,
             ]
-        ).tolist()
+        ).tolist()  # the window's one host sync
+        if acc.normalize == "tokens" and self.micro_steps and round(reported) != round(tokens_f):
+            acc._clear()
+            raise ValueError(
+                f"the window's micro-batches hold {round(tokens_f)} valid tokens by count_tokens"
+                f" but loss_fn reported {round(reported)}: both must count the same labels (if "
+                "loss_fn shifts labels itself, pass a count_tokens that shifts them too)"
+            )
         lr = float(acc.optimizer.param_groups[0]["lr"])
         scale = acc.scaler.scale if acc.scaler.enabled else None
         ok = math.isfinite(loss_f) and math.isfinite(norm_f) and tokens_f > 0

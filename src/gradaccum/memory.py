@@ -15,8 +15,9 @@ Precision (`--precision`):
 ZeRO (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
 Models"): stage 1 shards optimizer state over w, stage 2 also gradients, stage 3 also
 parameters. With sharded gradients (stage 2 and 3) each micro-batch's gradient is
-reduce-scattered into the shard as it is produced; keeping one sync per window instead means
-holding the unsharded accumulated gradient (see `unsharded_grad_bytes`).
+reduce-scattered into the shard as it is produced (`sync_every_micro_batch`); one sync per
+window, the engine's default, holds the unsharded accumulated gradient until the window's end,
+so gradient and buffer memory count whole unless `sync_every_micro_batch` is set.
 
 Activations follow Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
 Transformer Models", section 4.1: per layer s b h (34 + 5 a s / h) bytes at 16 bit (no tensor
@@ -52,6 +53,10 @@ class MemorySetup:
     """none, or full: keep each layer's input only and recompute the rest in backward."""
     flash_attention: bool = False
     """Fused attention that never stores the s x s attention scores."""
+    sync_every_micro_batch: bool = False
+    """Reduce(-scatter) gradients after every micro-batch. Only then do ZeRO-2/3 keep the
+    gradient sharded between micro-batches; with one sync per window (the engine's default)
+    each device holds the whole accumulated gradient until the window's last micro-batch."""
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -104,7 +109,10 @@ class MemoryEstimate:
 
 
 def _shard(n_bytes: int, setup: MemorySetup, stage: int) -> int:
-    """Bytes left on one device when ZeRO `stage` or above shards them (padded, as FSDP does)."""
+    """Bytes left on one device when ZeRO `stage` or above shards them (padded, as FSDP does).
+    Gradients (stage 2) stay whole between micro-batches unless they sync every micro-batch."""
+    if stage == 2 and not setup.sync_every_micro_batch:
+        return n_bytes
     if setup.zero >= stage:
         return -(-n_bytes // setup.world_size)
     return n_bytes
@@ -131,14 +139,18 @@ def grad_bytes(params: int, shape: ModelShape | None, setup: MemorySetup) -> int
 
     fp32: 4P of .grad (sharded by ZeRO-2), plus the fresh gradient of the largest tensor
     before autograd adds it into .grad. bf16/fp16: only one parameter's 16-bit gradient at a
-    time, 2 x largest tensor: the hook moves it into the fp32 buffer and frees it.
+    time, 2 x largest tensor: the hook moves it into the fp32 buffer and frees it. Under DDP
+    (world > 1, ZeRO 0-1) add the reducer's gradient buckets: P x bytes per parameter.
     """
     if shape is None:
         return None
     in_flight = setup.bytes_per_param * shape.largest_tensor
+    # DDP (data parallel without gradient sharding) allocates its reducer's buckets, a second
+    # copy of every gradient in the parameter dtype (gradient_as_bucket_view=False, the default).
+    buckets = setup.bytes_per_param * params if setup.world_size > 1 and setup.zero <= 1 else 0
     if setup.mixed:
-        return in_flight
-    return _shard(4 * params, setup, 2) + in_flight
+        return in_flight + buckets
+    return _shard(4 * params, setup, 2) + in_flight + buckets
 
 
 def accum_buffer_bytes(params: int, setup: MemorySetup) -> int:

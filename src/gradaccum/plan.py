@@ -244,6 +244,7 @@ def make_plan(i: PlanInputs) -> Plan:
         world_size=world,
         checkpointing=i.checkpointing or "none",
         flash_attention=bool(i.flash_attention),
+        sync_every_micro_batch=bool(i.sync_every_micro_batch),
     )
     shape, params = _model(i)
     seq_len = i.seq_len
@@ -302,6 +303,14 @@ def make_plan(i: PlanInputs) -> Plan:
         notes.append("gradients and activations need a model shape (--model, or --layers ...)")
     elif params is not None and (micro_batch is None or seq_len is None):
         notes.append("activations need a micro-batch and --seq-len")
+    if setup.zero >= 2 and world > 1 and not setup.sync_every_micro_batch and params:
+        whole = mem.unsharded_grad_bytes(params)
+        warnings.append(
+            f"--zero {setup.zero} with one gradient sync per window holds the whole accumulated "
+            f"gradient ({_gb(whole):,.2f} GB) on each device until the window's end; "
+            f"--sync-every-micro-batch keeps it sharded ({_gb(-(-whole // world)):,.2f} GB) "
+            f"for k x the gradient traffic"
+        )
     if setup.zero and world == 1:
         warnings.append(f"--zero {setup.zero} shards nothing on one device (--gpus 1)")
 

@@ -83,6 +83,9 @@ class PlanInputs:
     checkpointing: str | None = None
     """none | full; none when not given."""
     flash_attention: bool | None = None
+    sync_every_micro_batch: bool | None = None
+    """Sync gradients after every micro-batch (ZeRO-2/3 then keep them sharded); default: once
+    per window."""
     device_memory: int | None = None
     """Bytes of memory on one device."""
     base_lr: float | None = None

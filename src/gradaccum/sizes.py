@@ -47,7 +47,14 @@ def _split(text: str, flag: str) -> tuple[Decimal, str]:
     return number, match.group(2)
 
 
+LARGEST = Decimal("1e18")
+"""No size past 1e18 (an exa-token run, an exabyte device) means anything; bigger values
+would overflow float arithmetic further on."""
+
+
 def _check_sign(value, text: str, flag: str, allow_zero: bool) -> None:
+    if value > LARGEST:
+        raise SizeError(f"{flag} {text}: too large (at most 1e18)")
     if value < 0:
         raise SizeError(f"{flag} {text}: must not be negative")
     if value == 0 and not allow_zero:

@@ -80,6 +80,13 @@ def add_parser(sub, name: str) -> None:
         default=None,
         help="fused attention: the s x s scores are never stored",
     )
+    memory.add_argument(
+        "--sync-every-micro-batch",
+        action="store_true",
+        default=None,
+        help="sync gradients after every micro-batch (ZeRO-2/3: sharded gradients, k x traffic);"
+        " default: once per window",
+    )
     memory.add_argument("--device-memory", metavar="SIZE", help="80GB, 64GiB; bare number: GB")
     lr = p.add_argument_group("learning rate")
     lr.add_argument("--base-lr", metavar="X", help="LR tuned at --base-batch-tokens")
@@ -103,6 +110,7 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         zero=None if args.zero is None else int(args.zero),
         checkpointing=args.checkpointing,
         flash_attention=args.flash_attention,
+        sync_every_micro_batch=args.sync_every_micro_batch,
         lr_rule=args.lr_rule,
     )
 
