@@ -137,3 +137,31 @@ def test_rng_states_restore_every_generator(tmp_path):
     checkpoint.set_rng_state(torch.load(path, weights_only=True))
     got = (random.random(), np.random.normal(), np.random.rand(), torch.rand(3))
     assert got[:3] == expected[:3] and torch.equal(got[3], expected[3])
+
+
+def test_the_final_export_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
+    checkpoint.save_model(str(tmp_path), {"w": torch.ones(4)}, {"n": 1})
+
+    def torn_save(obj, f):
+        f.write(b"half a file")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(checkpoint.torch, "save", torn_save)
+    with pytest.raises(OSError, match="disk full"):
+        checkpoint.save_model(str(tmp_path), {"w": torch.zeros(4)}, {"n": 2})
+    monkeypatch.undo()
+    back = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert torch.equal(back["w"], torch.ones(4))
+    assert not [e for e in os.listdir(tmp_path) if e.startswith(".tmp-")]
+
+
+def test_run_files_get_the_permissions_of_a_plain_open(tmp_path):
+    mask = os.umask(0o022)
+    try:
+        checkpoint.save(str(tmp_path), 1, *state(1))
+        checkpoint.write_text_atomic(str(tmp_path / "train.toml"), "x = 1\n")
+    finally:
+        os.umask(mask)
+    assert (tmp_path / "train.toml").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "checkpoints" / "latest").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "checkpoints" / "step-00000001").stat().st_mode & 0o777 == 0o755

@@ -244,3 +244,46 @@ def test_init_from_a_finished_run_starts_from_its_weights(capsys, tmp_path, data
     b = torch.load(second / "model.pt", weights_only=True)
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=0, atol=1e-9)
+
+
+def test_out_below_a_file_is_refused_before_anything_runs(capsys, tmp_path):
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    line = one_line_error(capsys, ["train", "--out", str(a_file / "run")])
+    assert f"--out {a_file / 'run'}" in line and "is a file" in line
+
+
+def test_resume_refuses_what_would_make_it_wrong_and_rewrites_nothing(capsys, tmp_path, data):
+    out = tmp_path / "run"
+    args = ["train", "--data", str(data / "markov.npy"), *SMALL, "--out", str(out)]
+    assert main([*args[:-4], "--max-steps", "4", "--out", str(out)]) == 0  # a run at step 4
+    capsys.readouterr()
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+
+    line = one_line_error(capsys, ["train", "--resume", "--out", str(out), "--max-steps", "2"])
+    assert "--max-steps 2" in line and "already at step 4" in line
+    line = one_line_error(capsys, ["train", "--resume", "--out", str(out), "--precision", "fp16"])
+    assert "--precision fp16" in line and "fp32" in line
+    other_vocab = tmp_path / "bytes.txt"
+    other_vocab.write_text("some text of bytes " * 2000)
+    line = one_line_error(
+        capsys, ["train", "--resume", "--out", str(out), "--data", str(other_vocab)]
+    )
+    assert f"--resume {out}" in line and "does not fit" in line
+    metrics = out / "metrics.jsonl"
+    metrics.write_text(metrics.read_text().splitlines()[0] + "\n")
+    line = one_line_error(capsys, ["train", "--resume", "--out", str(out), "--max-steps", "6"])
+    assert f"--resume {out}" in line and "metrics.jsonl holds 1 lines" in line
+    after = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    assert {k: v for k, v in after.items() if k != "metrics.jsonl"} == {
+        k: v for k, v in before.items() if k != "metrics.jsonl"
+    }
+
+
+def test_a_sentinel_token_id_is_refused_not_allocated(capsys, tmp_path):
+    ids = np.arange(5000, dtype=np.uint32) % 100
+    ids[17] = 2**32 - 1
+    path = tmp_path / "ids.npy"
+    np.save(path, ids)
+    line = one_line_error(capsys, ["train", "--data", str(path), "--out", str(tmp_path / "o")])
+    assert f"--data {path}" in line and "4294967295" in line

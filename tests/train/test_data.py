@@ -215,25 +215,48 @@ def seq_ids(batch, seq_len=4):
     return (batch["input_ids"][:, 0] // seq_len).tolist()
 
 
-def test_each_epoch_visits_distinct_sequences():
-    ds = toy_dataset()
+def stream(ds, micro_batch, world_size, sequences, seed=0):
+    """The first `sequences` sequence ids read by all ranks together, in global order."""
+    ranks = [
+        Batches(ds, micro_batch, seed=seed, rank=r, world_size=world_size)
+        for r in range(world_size)
+    ]
+    out = []
+    while len(out) < sequences:
+        for it in ranks:
+            out += seq_ids(next(it))
+    return out[:sequences]
+
+
+def test_each_epoch_visits_every_sequence_once():
+    ds = toy_dataset()  # 23 sequences; micro-batches of 3 do not divide an epoch
+    seen = stream(ds, micro_batch=3, world_size=1, sequences=3 * 23)
+    epochs = [seen[e * 23 : (e + 1) * 23] for e in range(3)]
+    assert all(sorted(e) == list(range(23)) for e in epochs)  # nothing skipped, nothing twice
+    assert epochs[0] != epochs[1] != epochs[2]  # a fresh order per epoch
     it = Batches(ds, micro_batch=3, seed=0)
-    assert it.per_epoch == 7  # 23 // 3; two sequences left out each epoch
-    for epoch in range(3):
-        seen = [i for _ in range(7) for i in seq_ids(next(it))]
-        assert len(set(seen)) == 21 and set(seen) <= set(range(23))
-        assert it.epoch == epoch + 1
-    first = [i for _ in range(7) for i in seq_ids(next(Batches(ds, 3, seed=0)))]
-    assert first != seen  # a fresh order per epoch
+    for _ in range(8):  # 24 sequences read: the next one is in epoch 1
+        next(it)
+    assert it.epoch == 1
+
+
+def test_the_order_does_not_depend_on_micro_batch_or_world_size():
+    # b x k on one process and b x k / W on W ranks must read the same windows, also across
+    # epoch boundaries, or the runs stop matching after the first epoch.
+    ds = toy_dataset(num_sequences=23)
+    want = stream(ds, micro_batch=1, world_size=1, sequences=120)
+    for micro_batch, world_size in ((4, 1), (2, 2), (5, 2), (3, 3)):
+        assert stream(ds, micro_batch, world_size, sequences=120) == want
 
 
 def test_two_ranks_split_the_one_rank_global_batch():
     ds = toy_dataset(num_sequences=31)
     single = Batches(ds, micro_batch=4, seed=9)  # one rank, global micro-batch 2 x 2
     ranks = [Batches(ds, micro_batch=2, seed=9, rank=r, world_size=2) for r in (0, 1)]
-    for _ in range(3 * single.per_epoch):
+    for step in range(3 * 31 // 4 + 1):  # three epochs and a bit
         a, b = seq_ids(next(ranks[0])), seq_ids(next(ranks[1]))
-        assert not set(a) & set(b)
+        if step < 31 // 4:  # inside the first epoch the ranks never share a sequence
+            assert not set(a) & set(b)
         assert a + b == seq_ids(next(single))
 
 
@@ -244,7 +267,7 @@ def test_resume_at_a_position_yields_the_same_batches(p):
     for _ in range(p):
         next(straight)
     state = straight.state_dict()
-    expected = [next(straight) for _ in range(8)]  # crosses epoch boundaries (per_epoch 3)
+    expected = [next(straight) for _ in range(8)]  # crosses epoch boundaries (23 sequences)
     for resumed in (
         Batches(ds, 3, seed=4, rank=1, world_size=2, start=p),
         Batches(ds, 3, seed=4, rank=1, world_size=2),
@@ -265,9 +288,10 @@ def test_resume_refuses_a_different_layout():
         Batches(ds, 3, seed=4).load_state_dict(state)
 
 
-def test_too_few_sequences_for_one_micro_batch():
-    with pytest.raises(DataError, match=r"^--micro-batch 4: .* 5 sequences, .* 2 rank"):
-        Batches(toy_dataset(5), micro_batch=4, world_size=2)
+def test_fewer_sequences_than_one_micro_batch_still_read_whole_epochs():
+    ds = toy_dataset(5)
+    seen = stream(ds, micro_batch=4, world_size=2, sequences=20)
+    assert all(sorted(seen[e * 5 : (e + 1) * 5]) == list(range(5)) for e in range(4))
 
 
 def test_eval_batches_cover_the_prefix_once_across_ranks():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 from .common import ArgumentParser, UsageError
@@ -42,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return int(args.run(args) or 0)
     except UsageError as err:
-        print(f"gradaccum: error: {err}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun, say it once
+            print(f"gradaccum: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("gradaccum: interrupted", file=sys.stderr)

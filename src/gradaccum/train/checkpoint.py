@@ -66,15 +66,23 @@ def _write_synced(path: str, write) -> None:
         os.fsync(f.fileno())
 
 
-def write_text_atomic(path: str, text: str) -> None:
-    """Write a small file aside, fsync it, rename it over `path`."""
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _write_atomic(path: str, write) -> None:
+    """Write a file aside in its folder, fsync it, rename it over `path`. The file gets the
+    permissions a plain open() would give (mkstemp alone makes it owner-only)."""
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(text.encode("utf-8"))
+            write(f)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -83,11 +91,19 @@ def write_text_atomic(path: str, text: str) -> None:
     _fsync_dir(folder)
 
 
-def save_model(folder: str, model_state: dict, model_config: dict) -> None:
-    """model.pt (state_dict) and config.json into `folder`, each fsynced."""
-    _write_synced(os.path.join(folder, "model.pt"), lambda f: torch.save(model_state, f))
+def write_text_atomic(path: str, text: str) -> None:
+    """Write a small text file atomically (aside, fsync, rename)."""
+    _write_atomic(path, lambda f: f.write(text.encode("utf-8")))
+
+
+def save_model(folder: str, model_state: dict, model_config: dict, write=None) -> None:
+    """model.pt (state_dict) and config.json into `folder`. By default each is written
+    atomically, so a kill mid-export leaves the previous export whole; a checkpoint, whose
+    whole folder is renamed into place, writes them plainly (`write=_write_synced`)."""
+    write = write or _write_atomic
+    write(os.path.join(folder, "model.pt"), lambda f: torch.save(model_state, f))
     text = json.dumps(model_config, indent=2, sort_keys=True).encode("utf-8")
-    _write_synced(os.path.join(folder, "config.json"), lambda f: f.write(text))
+    write(os.path.join(folder, "config.json"), lambda f: f.write(text))
 
 
 def save(
@@ -109,8 +125,9 @@ def save(
     name = f"step-{step:08d}"
     final = os.path.join(root, name)
     tmp = tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root)
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it owner-only
     try:
-        save_model(tmp, model_state, model_config)
+        save_model(tmp, model_state, model_config, write=_write_synced)
         _write_synced(os.path.join(tmp, "trainer.pt"), lambda f: torch.save(trainer_state, f))
         if run_config is not None:
             text = json.dumps(run_config, indent=2, sort_keys=True).encode("utf-8")

@@ -74,12 +74,14 @@ def _as_batch(rows: torch.Tensor) -> dict:
 class Batches:
     """An endless, deterministic iterator of micro-batches of `micro_batch` sequences.
 
-    Epoch e visits the sequences in a permutation seeded by (seed, e). Each micro-step all
-    `world_size` ranks together consume the next world_size * micro_batch sequences of that
-    permutation, rank r its own slice: at this rank's position p (within the epoch) it takes
-    perm[(p * world_size + rank) * micro_batch + i], i < micro_batch. The epoch's last
-    sequences that do not fill a whole micro-step are skipped, so ranks never overlap and
-    never wait. Yields {"input_ids": (b, T) long, "labels": (b, T) long}.
+    The data order is one stream of sequences, the same whatever the batch layout: epoch e is
+    a permutation of the training sequences seeded by (seed, e), and epochs follow each other
+    with nothing skipped. Each micro-step all `world_size` ranks together take the next
+    world_size * micro_batch sequences of the stream, rank r its own slice: at this rank's
+    position p it takes stream[(p * world_size + rank) * micro_batch + i], i < micro_batch.
+    So b x k on one process and b x k / W on each of W ranks read the same windows, epoch
+    boundaries included (a window may straddle two epochs). Yields {"input_ids": (b, T) long,
+    "labels": (b, T) long}.
     """
 
     def __init__(
@@ -95,34 +97,37 @@ class Batches:
             raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} not in [0, world_size {world_size})")
-        self.per_epoch = len(ds) // (micro_batch * world_size)
-        """Micro-batches each rank takes per epoch."""
-        if self.per_epoch == 0:
-            raise DataError(
-                f"--micro-batch {micro_batch}: the training split holds {len(ds)} sequences, "
-                f"fewer than one micro-batch on each of {world_size} rank(s)"
-            )
+        if len(ds) == 0:
+            raise DataError("--data: the training split holds no sequence")
         self.ds, self.micro_batch, self.seed = ds, micro_batch, seed
         self.rank, self.world_size = rank, world_size
         self.position = start
         """Micro-batches this rank has consumed since the start (over all epochs)."""
-        self._epoch, self._perm = -1, None
+        self._perms: dict[int, np.ndarray] = {}
 
     @property
     def epoch(self) -> int:
-        return self.position // self.per_epoch
+        """The epoch of the next sequence this rank reads."""
+        return self._first(self.position) // len(self.ds)
+
+    def _first(self, position: int) -> int:
+        return (position * self.world_size + self.rank) * self.micro_batch
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        if epoch not in self._perms:
+            self._perms = {e: p for e, p in self._perms.items() if e >= epoch - 1}
+            rng = np.random.default_rng((self.seed, epoch))
+            self._perms[epoch] = rng.permutation(len(self.ds))
+        return self._perms[epoch]
 
     def __iter__(self):
         return self
 
     def __next__(self) -> dict:
-        epoch, p = divmod(self.position, self.per_epoch)
-        if epoch != self._epoch:
-            self._perm = np.random.default_rng((self.seed, epoch)).permutation(len(self.ds))
-            self._epoch = epoch
-        first = (p * self.world_size + self.rank) * self.micro_batch
+        n, first = len(self.ds), self._first(self.position)
+        ids = [int(self._perm(g // n)[g % n]) for g in range(first, first + self.micro_batch)]
         self.position += 1
-        return _as_batch(self.ds.batch(self._perm[first : first + self.micro_batch]))
+        return _as_batch(self.ds.batch(ids))
 
     def state_dict(self) -> dict:
         return {
@@ -238,6 +243,10 @@ def load_tokens(
     return train, val, DataInfo(source, int(data_vocab), floor, n, n - n_val, n_val, eod)
 
 
+MAX_VOCAB = 2**21
+"""Largest vocabulary a token file may imply (the largest in use are about 256k)."""
+
+
 def _load_file(path: str) -> tuple[np.ndarray, int]:
     """Memory-mapped tokens of a .txt/.bin/.npy file and its vocabulary size."""
     flag = f"--data {path}"
@@ -265,7 +274,13 @@ def _load_file(path: str) -> tuple[np.ndarray, int]:
         if tokens.ndim != 1:
             raise DataError(f"{flag}: shape {tokens.shape}; token ids must be a 1-D array")
     # The vocabulary is what the ids use: one pass over the file.
-    return tokens, (int(tokens.max()) + 1 if len(tokens) else 1)
+    top = int(tokens.max()) if len(tokens) else 0
+    if top >= MAX_VOCAB:  # a sentinel such as 2**32 - 1 would ask for a 4e9-row embedding
+        raise DataError(
+            f"{flag}: token id {top} implies a vocabulary over {MAX_VOCAB:,}; "
+            "is a padding or sentinel id in the file?"
+        )
+    return tokens, top + 1
 
 
 def _memmap(path: str, dtype, size: int) -> np.ndarray:

@@ -23,7 +23,7 @@ from ..schedule import Schedule, make_scheduler
 from . import checkpoint
 from .config import FIELDS, TrainConfig, TrainConfigError, to_toml
 from .console import Console, Progress, StopSignals
-from .metrics import MetricsWriter, plot_loss, read_metrics
+from .metrics import MetricsWriter, plot_loss, read_metrics, read_metrics_text
 from .model import ModelError, build_model, causal_lm_loss
 from .resolve import resolve_plan
 
@@ -38,6 +38,39 @@ def _init_distributed(config: TrainConfig) -> RankInfo:
         return init_distributed(device=config.device)
     except ValueError as err:  # a bad torchrun environment or a device the backend cannot use
         raise TrainConfigError(f"--device {config.device or 'auto'}: {err}") from None
+
+
+def _check_out_folder(out: str) -> None:
+    """--out must be a folder or creatable as one: checked before anything is read or written."""
+    path = os.path.abspath(out)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    if not os.path.isdir(path):
+        raise TrainConfigError(f"--out {out}: {path} is a file, not a folder")
+    if not os.access(path, os.W_OK):
+        raise TrainConfigError(f"--out {out}: {path} is not writable")
+
+
+def _check_resume(config: TrainConfig, ckpt, total_steps: int) -> None:
+    """What would make a resume wrong, found before anything in --out is rewritten."""
+    saved = ckpt.trainer_state["config"]
+    if saved.get("precision") != config.precision:
+        raise TrainConfigError(
+            f"--precision {config.precision}: the checkpoint in {config.out} was trained in "
+            f"{saved.get('precision')}; resume with the same precision"
+        )
+    if ckpt.step > total_steps:
+        raise TrainConfigError(
+            f"--max-steps {total_steps}: the checkpoint in {config.out} is already at step "
+            f"{ckpt.step}"
+        )
+    path = os.path.join(config.out, "metrics.jsonl")
+    lines = len(read_metrics_text(path)) if os.path.exists(path) else 0
+    if lines < ckpt.trainer_state["metrics_lines"]:
+        raise TrainConfigError(
+            f"--resume {config.out}: metrics.jsonl holds {lines} lines, the checkpoint saw "
+            f"{ckpt.trainer_state['metrics_lines']}; restore it or start a new --out"
+        )
 
 
 def _load_data(config: TrainConfig):
@@ -123,6 +156,7 @@ def _train(
 ) -> dict:
     started = time.perf_counter()
     is_main = rank_info.rank == 0
+    _check_out_folder(config.out)
     console = Console(enabled=is_main, quiet=config.json)
 
     # ---- data, model, plan: everything that can still reject the input ------------------
@@ -143,6 +177,7 @@ def _train(
     if config.resume:
         ckpt = checkpoint.load(checkpoint.find_latest(config.out))
         resolved.check_matches(ckpt.trainer_state["plan"], config.out)
+        _check_resume(config, ckpt, resolved.total_steps)
 
     # ---- build the run ----------------------------------------------------------------------
     model.to(device)
@@ -152,7 +187,13 @@ def _train(
         else:
             model.gradient_checkpointing_enable()
     if ckpt is not None:
-        model.load_state_dict(ckpt.model_state)
+        try:
+            model.load_state_dict(ckpt.model_state)
+        except RuntimeError as err:  # another vocabulary, another model
+            first = str(err).strip().splitlines()[-1].strip()
+            raise TrainConfigError(
+                f"--resume {config.out}: the checkpoint's model does not fit this one ({first})"
+            ) from None
     if config.compile:  # before DDP, so the engine still sees DDP and its no_sync
         model = torch.compile(model)
     if rank_info.world_size > 1:

@@ -20,6 +20,10 @@ from .. import devices
 from ..plan import Plan, PlanError, PlanInputs, make_plan, render_table
 from .config import DEFAULT_MAX_TOKENS, DEFAULT_TOKENS_PER_STEP, TrainConfig, TrainConfigError
 
+MAX_ACCUM_STEPS = 65536
+"""Most micro-batches one window may hold: the trainer fetches a window's micro-batches
+before the first backward (to count its tokens), so k bounds host memory."""
+
 CPU_MICRO_TOKENS = 2048
 """Most tokens per micro-batch `--micro-batch auto` takes on CPU: on two cores, throughput
 of the tiny model is flat from about 1k to 2k tokens per micro-batch and falls beyond."""
@@ -143,6 +147,12 @@ def resolve_plan(
         plan = make_plan(PlanInputs(micro_batch=micro, **batch, **length, **base))
     except PlanError as err:
         raise TrainConfigError(str(err)) from None
+    if plan.accum_steps > MAX_ACCUM_STEPS:
+        raise TrainConfigError(
+            f"--tokens-per-step {plan.global_batch_tokens}: {plan.accum_steps:,} micro-batches "
+            f"of {micro} x {seq_len} tokens per step, more than {MAX_ACCUM_STEPS:,}; "
+            "use a larger --micro-batch or more ranks"
+        )
     steps = plan.steps
     warmup = config.warmup_steps
     if warmup is None:
