@@ -140,3 +140,10 @@ def test_subprocess_no_traceback_and_no_torch():
     assert bad.stderr.strip().splitlines() == [
         "gradaccum: error: --micro-batch 0: must be greater than zero"
     ]
+
+
+def test_a_negative_size_after_its_flag_is_named_not_mistaken_for_a_flag(capsys):
+    code = main(["plan", "--target-tokens", "-4M", "--seq-len", "4096", "--micro-batch", "2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    assert "--target-tokens -4M: must not be negative" in err[0]

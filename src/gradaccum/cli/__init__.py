@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import sys
 
 from .common import ArgumentParser, UsageError
@@ -33,8 +34,20 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
+def _join_negative_values(argv: list[str]) -> list[str]:
+    """`--flag -4M` -> `--flag=-4M`: argparse takes "-4M" for an option and would say only
+    "expected one argument"; joined, the flag's own check names the value."""
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and re.match(r"^-\d", arg):
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = _join_negative_values(sys.argv[1:] if argv is None else list(argv))
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
