@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 
+from gradaccum.atomic import write_atomic, write_text_atomic
 from gradaccum.sizes import parse_count
 from gradaccum.train.loop import TrainConfig, train
 from gradaccum.train.metrics import read_metrics
@@ -130,10 +131,8 @@ def plot(curves: dict, floor: float, k: int, path: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = path + ".tmp"
-    fig.savefig(tmp, format="png")
+    write_atomic(path, lambda f: fig.savefig(f, format="png"))
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def main(argv=None) -> int:
@@ -168,11 +167,8 @@ def main(argv=None) -> int:
         "curves": curves,
     }
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "accumulation_curves.json.tmp"), "w") as f:
-        json.dump(result, f, indent=1)
-    os.replace(
-        os.path.join(args.out, "accumulation_curves.json.tmp"),
-        os.path.join(args.out, "accumulation_curves.json"),
+    write_text_atomic(
+        os.path.join(args.out, "accumulation_curves.json"), json.dumps(result, indent=1)
     )
     plot(curves, floor, k, os.path.join(args.out, "accumulation_curves.png"))
     print(json.dumps({key: result[key] for key in result if key != "curves"}, indent=1))

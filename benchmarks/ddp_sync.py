@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from gradaccum import Accumulator, devices, sync
+from gradaccum.atomic import write_text_atomic
 from gradaccum.distributed import init_distributed, teardown
 from gradaccum.distributed_check import run_ranks
 from gradaccum.train.model import GPT, PRESETS, GPTConfig, causal_lm_loss
@@ -180,10 +181,7 @@ def main(argv=None) -> int:
         return 0
     print_table(result)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    tmp = args.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f, indent=2)
-    os.replace(tmp, args.out)
+    write_text_atomic(args.out, json.dumps(result, indent=2))
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 

@@ -19,6 +19,7 @@ import time
 import torch
 
 from gradaccum import Accumulator, devices
+from gradaccum.atomic import write_text_atomic
 from gradaccum.train.model import GPT, GPTConfig, causal_lm_loss
 
 IGNORE = -100
@@ -132,10 +133,7 @@ def main(argv=None) -> int:
     }
     print(f"median tokens/s ratio engine / hand loop: {result['ratio_median']:.3f} (goal >= 0.98)")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    tmp = args.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f, indent=2)
-    os.replace(tmp, args.out)
+    write_text_atomic(args.out, json.dumps(result, indent=2))
     return 0
 
 

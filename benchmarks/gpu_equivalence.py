@@ -19,6 +19,7 @@ import sys
 
 import torch.distributed as dist
 
+from gradaccum.atomic import write_text_atomic
 from gradaccum.distributed import init_distributed, teardown
 from gradaccum.distributed_check import (
     EquivalenceSetup,
@@ -81,9 +82,7 @@ def main(argv=None) -> int:
         "cases": [r.to_dict() for r in reports],
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out + ".tmp", "w") as f:
-        json.dump(result, f, indent=2)
-    os.replace(args.out + ".tmp", args.out)
+    write_text_atomic(args.out, json.dumps(result, indent=2))
     return 0 if all(r.passed for r in reports) else 1
 
 

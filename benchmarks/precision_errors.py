@@ -34,6 +34,7 @@ from reference import (  # noqa: E402
 )
 
 from gradaccum import Accumulator  # noqa: E402
+from gradaccum.atomic import write_text_atomic
 
 SEEDS = range(3)
 
@@ -82,9 +83,7 @@ def main() -> int:
     print(f"bf16 accumulation error / fp32 buffer error (k = 64): {ratio:.3g}x")
     out = os.path.join(os.path.dirname(__file__), "results", "precision_errors.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out + ".tmp", "w") as f:
-        json.dump({**results, "bf16_ratio": ratio}, f, indent=2)
-    os.replace(out + ".tmp", out)
+    write_text_atomic(out, json.dumps({**results, "bf16_ratio": ratio}, indent=2))
     return 0
 
 

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .atomic import write_atomic
 from .distributed import RankInfo, aligned_windows, init_distributed, teardown
 
 WRAPPERS = ("ddp", "fsdp2")
@@ -104,8 +105,7 @@ def _rank_main(fn, args, rank, world_size, port, tmp, threads, timeout_s) -> Non
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises
         outcome = {"error": traceback.format_exc()}
     path = os.path.join(tmp, f"rank{rank}.pt")
-    torch.save(outcome, path + ".tmp")
-    os.replace(path + ".tmp", path)
+    write_atomic(path, lambda f: torch.save(outcome, f))
     # After a failure the other ranks may sit in a collective: leave without the group's
     # goodbye, closing the sockets is what tells them.
     if info is not None and "value" in outcome:

@@ -303,10 +303,17 @@ class Accumulator:
 
     # ---- used by Window ------------------------------------------------------------------
 
-    def _gradients(self) -> list[torch.Tensor]:
-        grads = [
-            buf for p, buf in self._buffers.items() if id(p) in self._written or self._manual_sync
+    def _live_buffers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(parameter, buffer) pairs that hold this window's gradient. Under manual sync all
+        of them: a parameter unused on this rank may have a gradient from another."""
+        return [
+            (p, buf)
+            for p, buf in self._buffers.items()
+            if self._manual_sync or id(p) in self._written
         ]
+
+    def _gradients(self) -> list[torch.Tensor]:
+        grads = [buf for _, buf in self._live_buffers()]
         grads += [p.grad for p in self._params if p not in self._buffers and p.grad is not None]
         return grads
 
@@ -326,7 +333,9 @@ class Window:
         self.micro_steps = micro_steps
         self.tokens = tokens  # N over all ranks when counted up front, else None
         self._index = 0
-        self._rank_factor = sync.world_size() if acc._data_parallel and not acc._manual_sync else 1
+        # DDP and FSDP2 average over ranks, the engine's own fp32 sync sums.
+        self._world = sync.world_size() if acc._data_parallel else 1
+        self._rank_factor = 1 if acc._manual_sync else self._world
         self._late_scale: float | None = None
         # Per micro-batch (summed loss or mean, valid tokens), summed once at finish: no
         # small tensor arithmetic on the per-micro-batch path.
@@ -358,10 +367,8 @@ class Window:
         if acc.normalize == "micro_batch_mean":
             n = torch.as_tensor(num_tokens, device=loss_sum.device).clamp(min=1)
             mean = loss_sum / n / self.micro_steps
-            # The sync must leave the mean over ranks: DDP and FSDP2 average (rank factor =
-            # world, times 1 here); the engine's own fp32 sync sums (rank factor 1).
-            world = sync.world_size() if acc._data_parallel else 1
-            scaled, factor, kept = mean, self._rank_factor / world, mean
+            # The sync must leave the mean over ranks, whether it averages or sums.
+            scaled, factor, kept = mean, self._rank_factor / self._world, mean
         else:
             scaled, factor, kept = (
                 loss_sum,
@@ -428,7 +435,7 @@ class Window:
         if acc.normalize == "tokens":
             loss = loss_total / torch.as_tensor(n_tokens, dtype=torch.float64).clamp(min=1)
         else:
-            loss = loss_total / (sync.world_size() if acc._data_parallel else 1)
+            loss = loss_total / self._world
         loss_f, norm_f, tokens_f, reported = torch.stack(
             [
                 loss.double(),
@@ -495,9 +502,7 @@ class Window:
 
     def _hand_to_optimizer(self) -> None:
         acc = self.acc
-        for p, buf in acc._buffers.items():
-            if id(p) not in acc._written and not acc._manual_sync:
-                continue
+        for p, buf in acc._live_buffers():
             if p in acc._masters:
                 acc._masters[p].grad = buf if buf.dtype == acc._masters[p].dtype else buf.float()
             else:

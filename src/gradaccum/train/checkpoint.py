@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..atomic import fsync_dir, umask, write_atomic, write_text_atomic
+
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 _NAME = re.compile(r"^step-(\d+)$")
@@ -51,14 +53,6 @@ class Checkpoint:
     """Everything else the run needs to continue exactly (see save())."""
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_synced(path: str, write) -> None:
     with open(path, "wb") as f:
         write(f)
@@ -66,41 +60,11 @@ def _write_synced(path: str, write) -> None:
         os.fsync(f.fileno())
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _write_atomic(path: str, write) -> None:
-    """Write a file aside in its folder, fsync it, rename it over `path`. The file gets the
-    permissions a plain open() would give (mkstemp alone makes it owner-only)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(folder)
-
-
-def write_text_atomic(path: str, text: str) -> None:
-    """Write a small text file atomically (aside, fsync, rename)."""
-    _write_atomic(path, lambda f: f.write(text.encode("utf-8")))
-
-
 def save_model(folder: str, model_state: dict, model_config: dict, write=None) -> None:
     """model.pt (state_dict) and config.json into `folder`. By default each is written
     atomically, so a kill mid-export leaves the previous export whole; a checkpoint, whose
     whole folder is renamed into place, writes them plainly (`write=_write_synced`)."""
-    write = write or _write_atomic
+    write = write or write_atomic
     write(os.path.join(folder, "model.pt"), lambda f: torch.save(model_state, f))
     text = json.dumps(model_config, indent=2, sort_keys=True).encode("utf-8")
     write(os.path.join(folder, "config.json"), lambda f: f.write(text))
@@ -125,20 +89,20 @@ def save(
     name = f"step-{step:08d}"
     final = os.path.join(root, name)
     tmp = tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root)
-    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it owner-only
+    os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes it owner-only
     try:
         save_model(tmp, model_state, model_config, write=_write_synced)
         _write_synced(os.path.join(tmp, "trainer.pt"), lambda f: torch.save(trainer_state, f))
         if run_config is not None:
             text = json.dumps(run_config, indent=2, sort_keys=True).encode("utf-8")
             _write_synced(os.path.join(tmp, "train_config.json"), lambda f: f.write(text))
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if os.path.exists(final):
             # A folder of this step left by a run that died before moving `latest` to it:
             # `latest` does not name it, so it can go.
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .. import devices, sync
+from ..atomic import write_text_atomic
 from ..distributed import RankInfo, init_distributed, teardown
 from ..engine import Accumulator
 from ..schedule import Schedule, make_scheduler
@@ -126,12 +127,10 @@ def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(model, "_orig_mod", model)
 
 
-def _stop_everywhere(stop: bool, world_size: int) -> bool:
+def _stop_everywhere(stop: bool) -> bool:
     # Signals reach ranks at different moments: all ranks must leave at the same window, or
     # the ones still training wait forever for the ones that left.
-    if world_size == 1:
-        return stop
-    return sync.all_reduce_sum(torch.tensor([1.0 if stop else 0.0])).item() > 0
+    return bool(sync.max_over_ranks(int(stop)))  # no collective when alone
 
 
 def train(config: TrainConfig, should_stop: Callable[[int], bool] | None = None) -> dict:
@@ -261,9 +260,7 @@ def _train(
         resolved_values = {
             k: v for k, v in resolved_values.items() if k in FIELDS and k not in ("resume", "json")
         }
-        checkpoint.write_text_atomic(
-            os.path.join(config.out, "train.toml"), to_toml(resolved_values)
-        )
+        write_text_atomic(os.path.join(config.out, "train.toml"), to_toml(resolved_values))
         keep = ckpt.trainer_state["metrics_lines"] if ckpt is not None else None
         metrics = MetricsWriter(metrics_path, keep_lines=keep)
 
@@ -361,7 +358,7 @@ def _train(
                 stop = signals.requested or (
                     "request" if should_stop and should_stop(step) else None
                 )
-                if _stop_everywhere(stop is not None, rank_info.world_size):
+                if _stop_everywhere(stop is not None):
                     stopped = stop or "another rank"
                     break
                 if config.save_every and step % config.save_every == 0 and step != last_saved:

@@ -11,6 +11,8 @@ import json
 import math
 import os
 
+from ..atomic import write_atomic, write_text_atomic
+
 # Fields that measure wall-clock time: they can never match between two runs.
 TIMING_FIELDS = ("tokens_per_s", "elapsed_s")
 
@@ -41,12 +43,7 @@ class MetricsWriter:
                 f"{path} holds {len(kept)} lines but the checkpoint saw {keep_lines}; "
                 "it was changed after the checkpoint"
             )
-        tmp = path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(line + "\n" for line in kept)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_text_atomic(path, "".join(line + "\n" for line in kept))
         self.lines = len(kept)
         self._file = open(path, "a", encoding="utf-8")
 
@@ -120,8 +117,6 @@ def plot_loss(
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = path + ".tmp"
-    fig.savefig(tmp, format="png")
+    write_atomic(path, lambda f: fig.savefig(f, format="png"))
     plt.close(fig)
-    os.replace(tmp, path)
     return True

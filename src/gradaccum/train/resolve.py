@@ -31,26 +31,47 @@ of the tiny model is flat from about 1k to 2k tokens per micro-batch and falls b
 
 @dataclass
 class Resolved:
-    """The run's batch and length, as trained."""
+    """The run's batch and length, as trained: the plan's numbers, plus the warmup."""
 
-    micro_batch: int
-    """Sequences per forward/backward on each rank."""
-    accum_steps: int
-    """Micro-batches per optimizer step (k)."""
-    world_size: int
-    """Ranks (torchrun processes)."""
-    seq_len: int
-    """Tokens per sequence."""
-    tokens_per_step: int
-    """micro_batch x seq_len x k x world: tokens per optimizer step, as trained."""
-    total_steps: int
-    """Optimizer steps of the whole run."""
+    plan: Plan
+    """The plan `gradaccum plan` would print for this run (memory estimate included)."""
     warmup_steps: int
     """Optimizer steps of LR warmup."""
-    plan: Plan
-    """The plan the table prints (memory estimate included)."""
-    table: str
-    """render_table(plan), the way `gradaccum plan` shows it."""
+
+    @property
+    def micro_batch(self) -> int:
+        """Sequences per forward/backward on each rank."""
+        return self.plan.micro_batch
+
+    @property
+    def accum_steps(self) -> int:
+        """Micro-batches per optimizer step (k)."""
+        return self.plan.accum_steps
+
+    @property
+    def world_size(self) -> int:
+        """Ranks (torchrun processes)."""
+        return self.plan.world_size
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens per sequence."""
+        return self.plan.seq_len
+
+    @property
+    def tokens_per_step(self) -> int:
+        """micro_batch x seq_len x k x world: tokens per optimizer step, as trained."""
+        return self.plan.global_batch_tokens
+
+    @property
+    def total_steps(self) -> int:
+        """Optimizer steps of the whole run."""
+        return self.plan.steps
+
+    @property
+    def table(self) -> str:
+        """The plan as `gradaccum plan` shows it."""
+        return render_table(self.plan)
 
     def summary(self) -> dict:
         """What a checkpoint records, to refuse a resume that would read other data."""
@@ -159,17 +180,7 @@ def resolve_plan(
         warmup = min(100, steps // 10)
     elif warmup > steps:
         raise TrainConfigError(f"--warmup-steps {warmup}: longer than the run ({steps} steps)")
-    return Resolved(
-        micro_batch=micro,
-        accum_steps=plan.accum_steps,
-        world_size=world_size,
-        seq_len=seq_len,
-        tokens_per_step=plan.global_batch_tokens,
-        total_steps=steps,
-        warmup_steps=warmup,
-        plan=plan,
-        table=render_table(plan),
-    )
+    return Resolved(plan=plan, warmup_steps=warmup)
 
 
 def _auto_micro_batch(
