@@ -32,7 +32,7 @@ import tempfile
 import time
 
 from gradaccum.atomic import write_atomic, write_text_atomic
-from gradaccum.sizes import parse_count
+from gradaccum.plan.sizes import parse_count
 from gradaccum.train.loop import TrainConfig, train
 from gradaccum.train.metrics import read_metrics
 

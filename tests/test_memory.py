@@ -2,8 +2,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradaccum import memory as mem
-from gradaccum.presets import ModelShape, preset
+from gradaccum.plan import memory as mem
+from gradaccum.plan.presets import ModelShape, preset
 
 LLAMA7 = preset("llama2-7b")
 P7 = 6_738_415_616  # published Llama 2 7B parameter count

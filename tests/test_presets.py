@@ -1,6 +1,6 @@
 import pytest
 
-from gradaccum.presets import PRESETS, ModelShape, custom, preset
+from gradaccum.plan.presets import PRESETS, ModelShape, custom, preset
 
 # Parameter counts the released checkpoints report (Hugging Face `num_parameters()`).
 PUBLISHED = {

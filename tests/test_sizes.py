@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gradaccum.sizes import (
+from gradaccum.plan.sizes import (
     SizeError,
     fmt_count,
     fmt_count_exact,

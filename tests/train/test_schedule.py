@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from gradaccum.schedule import Schedule, lr_at, make_scheduler
+from gradaccum.train.schedule import Schedule, lr_at, make_scheduler
 
 # warmup 10 steps, 110 in all, so the decay runs over 100 steps; min ratio 0.1, peak lr 2.
 HAND = [

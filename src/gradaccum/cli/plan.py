@@ -8,10 +8,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..memory import CHECKPOINTING, OPTIMIZERS, PRECISIONS
 from ..plan import LR_RULES, PlanError, PlanInputs, flag, make_plan, render_table
-from ..presets import PRESETS
-from ..sizes import SizeError, parse_bytes, parse_count, parse_float, parse_seconds
+from ..plan.memory import CHECKPOINTING, OPTIMIZERS, PRECISIONS
+from ..plan.presets import PRESETS
+from ..plan.sizes import SizeError, parse_bytes, parse_count, parse_float, parse_seconds
 from .common import UsageError, print_json
 
 # flag name (dest) -> parser of its text; choices and switches are handled by argparse.

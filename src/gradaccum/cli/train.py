@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..sizes import SizeError, parse_count
+from ..plan.sizes import SizeError, parse_count
 from .common import UsageError, bad, print_json
 
 # name -> how its value is read: count (4M, 262k), int, float, micro (N or auto), str, bool

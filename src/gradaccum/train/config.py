@@ -13,8 +13,8 @@ import time
 from dataclasses import asdict, dataclass, fields
 
 from ..precision import PRECISIONS
-from ..schedule import SCHEDULES
 from . import checkpoint
+from .schedule import SCHEDULES
 
 # The default run: sized so that `gradaccum train` ends within 3 minutes on 2 CPU cores.
 DEFAULT_TOKENS_PER_STEP = 8192

@@ -20,13 +20,13 @@ from .. import devices, sync
 from ..atomic import write_text_atomic
 from ..distributed import RankInfo, init_distributed, teardown
 from ..engine import Accumulator
-from ..schedule import Schedule, make_scheduler
 from . import checkpoint
 from .config import FIELDS, TrainConfig, TrainConfigError, to_toml
 from .console import Console, Progress, StopSignals
 from .metrics import MetricsWriter, plot_loss, read_metrics, read_metrics_text
 from .model import ModelError, build_model, causal_lm_loss
 from .resolve import resolve_plan
+from .schedule import Schedule, make_scheduler
 
 __all__ = ["TrainConfig", "TrainConfigError", "train"]
 

@@ -69,7 +69,7 @@ class PlanInputs:
     heads: int | None = None
     vocab: int | None = None
     model: str | None = None
-    """A preset name (see gradaccum.presets.PRESETS)."""
+    """A preset name (see gradaccum.plan.presets.PRESETS)."""
     peak_tflops: float | None = None
     """Peak dense TFLOP/s of one device at the training precision."""
     mfu: float | None = None

@@ -19,10 +19,10 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from . import memory as mem
-from .plan_inputs import LR_RULES, PlanError, PlanInputs, flag, show_value
+from .communication import Communication, traffic
+from .inputs import LR_RULES, PlanError, PlanInputs, flag, show_value
 from .presets import ModelShape, custom, preset
 from .sizes import fmt_bytes, fmt_int
-from .traffic import Communication, traffic
 
 _SEARCH = 65536  # micro-batches tried, from the top down, when looking for the best landing
 
@@ -461,7 +461,7 @@ def _fit_warnings(est, device_memory, batch, fit_cap, world, global_seq, per_seq
 
 def render_table(plan: Plan) -> str:
     """The plan as a table for people, units on every row, then warnings and notes."""
-    from .plan_table import render
+    from .table import render
 
     return render(plan)
 

@@ -1,0 +1,33 @@
+"""The planner: batch arithmetic, memory, communication and cost of a run. Pure arithmetic,
+no torch: `import gradaccum.plan` leaves torch unimported.
+
+- `batch`: global batch = micro-batch x k x world, time, FLOPs, LR scaling (`make_plan`);
+- `inputs`: what a plan is asked (`PlanInputs`), checked;
+- `memory`: bytes per device, term by term; `communication`: gradient traffic per step;
+- `presets`: model shapes by name; `sizes`: 4M / 4Mi / 262k / 80GB / 900ms parsing;
+- `table`: the plan as a table for people.
+"""
+
+from .batch import (
+    LR_RULES,
+    MemoryReport,
+    Plan,
+    PlanError,
+    PlanInputs,
+    accum_steps_for,
+    flag,
+    make_plan,
+    render_table,
+)
+
+__all__ = [
+    "LR_RULES",
+    "MemoryReport",
+    "Plan",
+    "PlanError",
+    "PlanInputs",
+    "accum_steps_for",
+    "flag",
+    "make_plan",
+    "render_table",
+]
