@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from gradaccum import Accumulator, devices, sync
 from gradaccum.atomic import write_text_atomic
 from gradaccum.distributed import init_distributed, teardown
-from gradaccum.distributed_check import run_ranks
+from gradaccum.testing import run_ranks
 from gradaccum.train.model import GPT, PRESETS, GPTConfig, causal_lm_loss
 
 IGNORE = -100

@@ -21,13 +21,17 @@ import torch.distributed as dist
 
 from gradaccum.atomic import write_text_atomic
 from gradaccum.distributed import init_distributed, teardown
-from gradaccum.distributed_check import (
-    EquivalenceSetup,
-    compare,
-    run_check_rank,
-    single_process_run,
-    small_gpt,
-)
+from gradaccum.testing import EquivalenceSetup, compare, run_check_rank, single_process_run
+from gradaccum.train.model import GPT, GPTConfig
+
+
+def small_gpt(seed: int):
+    """A 2-layer GPT, vocab 37, 16 positions, width 32."""
+    import torch
+
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(vocab_size=37, seq_len=16, n_layer=2, n_head=2, n_embd=32))
+
 
 CASES = [("ddp", False), ("ddp", True), ("fsdp2", False), ("fsdp2", True)]
 

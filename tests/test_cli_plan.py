@@ -115,6 +115,7 @@ def test_conflicting_flags_name_both(capsys, args, first, second):
     assert first in err and second in err
 
 
+@pytest.mark.slow
 def test_subprocess_no_traceback_and_no_torch():
     script = (
         "import sys\n"

@@ -9,6 +9,7 @@ import torch
 from reference import (
     IGNORE,
     GradRecorder,
+    big_batch,
     big_batch_grads,
     make_gpt,
     make_mlp,
@@ -18,7 +19,7 @@ from reference import (
 )
 
 from gradaccum import Accumulator, windows
-from gradaccum.engine import count_labels
+from gradaccum.engine import backward_scale, count_labels
 
 MODELS = {"mlp": make_mlp, "gpt": make_gpt}
 
@@ -178,14 +179,17 @@ def test_a_loss_fn_that_counts_other_tokens_than_count_tokens_is_refused():
         acc.step(ragged_batches("gpt", 3, seed=1), shifting_loss)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
     assert all(p.grad is None for p in model.parameters())
-    # counting the same shifted labels makes it exact again
+    # counting the same shifted labels makes it exact again: the big-batch gradient of the
+    # shifted loss over all micro-batches at once, divided by its own token count
     data = ragged_batches("gpt", 3, seed=1)
-    shifted = [
-        {**b, "labels": torch.cat([b["labels"][:, :1], b["labels"][:, 1:]], 1)} for b in data
-    ]
     opt = GradRecorder(model.parameters())
     counted = Accumulator(model, opt, count_tokens=lambda b: (b["labels"][:, 1:] != IGNORE).sum())
-    result = counted.step(shifted, shifting_loss)
+    result = counted.step(data, shifting_loss)
+    twin = copy.deepcopy(model)
+    loss_sum, n = shifting_loss(twin, big_batch(data))
+    (loss_sum / n).backward()
+    want = [p.grad for p in twin.parameters()]
+    assert max_rel_error(opt.seen[0], want) <= 1e-5
     assert result.tokens == sum(int((b["labels"][:, 1:] != IGNORE).sum()) for b in data)
 
 
@@ -222,3 +226,130 @@ def test_bad_arguments_are_rejected():
         list(windows([1, 2], accum_steps=0))
     with pytest.raises(ValueError, match="accum_steps"):
         list(windows([1, 2], accum_steps=2.5))
+
+
+# ---- the backward scale against the numerical rules (docs/design.md), derived by hand ----
+
+
+@pytest.mark.parametrize(
+    "args, want",
+    [
+        # one device: loss_sum / N
+        (("tokens", 200, 4, 1, False, 1.0), 1 / 200),
+        # DDP/FSDP2 average over 8 ranks: loss_sum * 8 / N undoes it
+        (("tokens", 1000, 4, 8, True, 1.0), 8 / 1000),
+        # the engine's own fp32 all-reduce sums: loss_sum / N
+        (("tokens", 1000, 4, 8, False, 1.0), 1 / 1000),
+        # fp16: times the loss scale
+        (("tokens", 1000, 4, 8, True, 2.0**16), 8 * 2.0**16 / 1000),
+        # no tokens at all: N taken as 1, never a division by zero
+        (("tokens", 0, 4, 2, True, 1.0), 2.0),
+        # mean of micro-batch means: 1 / (k * world), the averaging sync undone
+        (("micro_batch_mean", 999, 4, 8, True, 1.0), 8 / 32),
+        (("micro_batch_mean", 999, 4, 8, False, 1.0), 1 / 32),
+    ],
+)
+def test_backward_scale_follows_the_numerical_rules(args, want):
+    assert backward_scale(*args) == pytest.approx(want, rel=1e-12)
+
+
+# ---- seams: k changing between windows, abandoning a window ------------------------------
+
+
+def test_k_may_change_from_one_window_to_the_next():
+    model = make_gpt()
+    data = ragged_batches("gpt", 10, seed=13)
+    opt = GradRecorder(model.parameters())
+    acc = Accumulator(model, opt)
+    bounds = [(0, 2), (2, 7), (7, 10)]  # k = 2, then 5, then 3
+    results = [acc.step(data[a:b], token_loss) for a, b in bounds]
+    assert [r.micro_steps for r in results] == [2, 5, 3]
+    for seen, (a, b) in zip(opt.seen, bounds, strict=True):
+        assert max_rel_error(seen, big_batch_grads(model, data[a:b])) <= 1e-5
+
+
+class FakeOutOfMemory(torch.OutOfMemoryError):
+    """What a device raises when a micro-batch does not fit."""
+
+
+def oom_at(index: int):
+    calls = {"n": 0}
+
+    def loss_fn(model, batch):
+        calls["n"] += 1
+        if calls["n"] == index + 1:
+            raise FakeOutOfMemory("out of memory")
+        return token_loss(model, batch)
+
+    return loss_fn
+
+
+@pytest.mark.parametrize("dtype, precision", [(torch.float32, "fp32"), (torch.bfloat16, "bf16")])
+def test_a_window_abandoned_mid_way_leaves_no_trace(dtype, precision):
+    # a window that fails at its third micro-batch, then a full window: the same parameters,
+    # optimizer state and counters as a run that only ever saw the full window
+    def build():
+        model = make_mlp(seed=4).to(dtype)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return model, opt, Accumulator(model, opt, precision=precision)
+
+    model, opt, acc = build()
+    ref_model, ref_opt, ref_acc = build()
+    data = ragged_batches("mlp", 9, seed=17, dtype=dtype)
+    failed, full = data[:5], data[5:]
+    with pytest.raises(torch.OutOfMemoryError):
+        acc.step(failed, oom_at(2))
+    assert all(p.grad is None for p in model.parameters())
+    assert (acc.steps, acc.skipped_total, opt.state) == (0, 0, {})
+    result = acc.step(full, token_loss)
+    ref_result = ref_acc.step(full, token_loss)
+    assert (result.step, result.skipped_total, result.tokens) == (1, 0, ref_result.tokens)
+    assert all(
+        torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters(), strict=True)
+    )
+    grads = big_batch_grads(make_mlp(seed=4), full, dtype=dtype)
+    assert result.grad_norm == pytest.approx(
+        torch.cat([g.double().flatten() for g in grads]).norm().item(),
+        rel=1e-5 if dtype == torch.float32 else 2e-2,
+    )
+
+
+def test_abandon_by_hand_keeps_the_loss_scale_and_drops_partial_gradients():
+    model = make_mlp(seed=6)
+    opt = GradRecorder(model.parameters())
+    acc = Accumulator(model, opt, precision="fp16")
+    scale = acc.scaler.scale
+    data = ragged_batches("mlp", 6, seed=19)
+    window = acc.begin_window(data[:4])
+    for batch in data[:2]:
+        with window.micro_step():
+            window.backward(*token_loss(model, batch))
+    window.abandon()
+    assert all(p.grad is None for p in model.parameters())
+    assert (acc.scaler.scale, acc.steps, acc.skipped_total, opt.seen) == (scale, 0, 0, [])
+    result = acc.step(data[2:], token_loss)
+    assert not result.skipped and result.step == 1
+    assert max_rel_error(opt.seen[0], big_batch_grads(model, data[2:])) <= 5e-2
+
+
+# ---- nothing per micro-batch outlives its micro-step (host memory flat in k) --------------
+
+
+def test_no_per_micro_batch_tensor_lives_until_the_window_ends():
+    import weakref
+
+    model = make_mlp()
+    data = ragged_batches("mlp", 6, seed=23)
+    alive: list[weakref.ref] = []
+
+    def loss_fn(model, batch):
+        # everything the previous micro-batch returned is gone by now
+        assert all(ref() is None for ref in alive)
+        loss_sum, count = token_loss(model, batch)
+        alive.extend([weakref.ref(loss_sum), weakref.ref(count)])
+        return loss_sum, count
+
+    for count_tokens in ("auto", None):
+        alive.clear()
+        acc = Accumulator(model, GradRecorder(model.parameters()), count_tokens=count_tokens)
+        acc.step(data, loss_fn)

@@ -165,3 +165,86 @@ def test_max_micro_batch_is_the_largest_that_fits(shape, s, seq_len, device_memo
     if b > 0:
         assert total(shape, s, b, seq_len) <= device_memory
     assert total(shape, s, b + 1, seq_len) > device_memory
+
+
+# ---- frozen base weights (LoRA) and the terms `gradaccum fit` measures ---------------------
+
+
+def test_lora_params_llama2_7b_by_hand():
+    # rank 16 on q, k, v, o (4096 x 4096 each) and gate, up, down (4096 x 11008), 32 blocks
+    per_block = 16 * (4 * (4096 + 4096) + 3 * (4096 + 11008))
+    assert mem.lora_params(LLAMA7, 16) == 32 * per_block == 39_976_960
+
+
+def test_trainable_params_count_state_for_the_trainable_part_only():
+    t = 40_000_000
+    est = mem.estimate(P7, LLAMA7, setup(precision="bf16", trainable_params=t), 1, 2048)
+    full = mem.estimate(P7, LLAMA7, setup(precision="bf16"), 1, 2048)
+    assert est.params == 2 * P7  # the frozen base is still held, in 16 bits
+    assert est.accum_buffer == 4 * t
+    assert est.optimizer == 12 * t  # two fp32 moments and an fp32 master copy, trainable only
+    assert est.activations == full.activations  # backward still runs through every block
+    fp32 = mem.estimate(P7, LLAMA7, setup(precision="fp32", trainable_params=t))
+    assert fp32.grads - fp32.grads_in_flight == 4 * t
+
+
+def test_grads_in_flight_is_the_largest_tensor():
+    fp32 = mem.estimate(P7, LLAMA7, setup(precision="fp32"))
+    assert fp32.grads_in_flight == 4 * 32000 * 4096  # the embedding's fresh gradient
+    assert fp32.grads - fp32.grads_in_flight == 4 * P7  # what .grad holds
+
+
+def test_elementwise_gelu_keeps_three_more_mlp_tensors():
+    s, b, h = 1024, 2, 768
+    fused = mem.layer_activation_bytes(GPT2, b, s, setup())
+    tanh_ops = mem.layer_activation_bytes(GPT2, b, s, setup(mlp_activation="elementwise-gelu"))
+    assert tanh_ops - fused == 3 * 2 * s * b * 4 * h  # three bf16 tensors of width 4h
+    with pytest.raises(ValueError):
+        setup(mlp_activation="relu6")
+
+
+def _lora_recipe(**extra):
+    from gradaccum.plan import PlanInputs, make_plan
+
+    return make_plan(
+        PlanInputs(
+            model="llama2-7b",
+            precision="bf16",
+            device_memory=24 * 10**9,
+            seq_len=2048,
+            micro_batch=1,
+            checkpointing="full",
+            target_tokens=32_768,
+            **extra,
+        )
+    )
+
+
+def test_7b_lora_on_a_24gb_card_fits_and_full_training_does_not():
+    lora = _lora_recipe(lora_rank=16)
+    assert lora.accum_steps == 32_768 // 2048 == 16
+    assert lora.memory.fits is True
+    assert lora.memory.optimizer_gb == pytest.approx(12 * 39_976_960 / 1e9)
+    given = _lora_recipe(trainable_params=40_000_000)
+    assert given.accum_steps == 16 and given.memory.fits is True
+    full = _lora_recipe()
+    assert full.accum_steps == 16 and full.memory.fits is False
+
+
+def test_plan_cli_trainable_params(capsys):
+    import json
+
+    from gradaccum.cli import main
+
+    base = "plan --model llama2-7b --device-memory 24GB --seq-len 2048 --micro-batch 1"
+    base += " --checkpointing full --target-tokens 32k --json"
+    assert main([*base.split(), "--trainable-params", "40M"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["accum_steps"] == 16 and d["memory"]["fits"] is True
+    assert main([*base.split(), "--lora-rank", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--lora-rank 0" in err
+    assert main(["plan", "--lora-rank", "8", "--params", "7B"]) == 2
+    assert "--lora-rank 8" in capsys.readouterr().err
+    assert main(["plan", "--trainable-params", "8B", "--model", "llama2-7b"]) == 2
+    assert "--trainable-params 8B" in capsys.readouterr().err

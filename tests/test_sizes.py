@@ -2,8 +2,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from gradaccum.errors import BadInput
 from gradaccum.plan.sizes import (
-    SizeError,
     fmt_count,
     fmt_count_exact,
     parse_bytes,
@@ -52,7 +52,7 @@ def test_parse_count(text, expected):
     ],
 )
 def test_parse_count_rejects_with_flag_and_value(text, why):
-    with pytest.raises(SizeError) as err:
+    with pytest.raises(BadInput) as err:
         parse_count(text, "--micro-batch")
     message = str(err.value)
     assert message.startswith(f"--micro-batch {text}:")
@@ -88,7 +88,7 @@ def test_parse_bytes_bare_unit():
 
 @pytest.mark.parametrize("text", ["80XB", "0GB", "-1GB", "GB"])
 def test_parse_bytes_rejects(text):
-    with pytest.raises(SizeError, match=f"^--device-memory {text}:"):
+    with pytest.raises(BadInput, match=f"^--device-memory {text}:"):
         parse_bytes(text, "--device-memory")
 
 
@@ -110,14 +110,14 @@ def test_parse_seconds(text, expected):
 
 @pytest.mark.parametrize("text", ["0s", "3parsec", "-1s"])
 def test_parse_seconds_rejects(text):
-    with pytest.raises(SizeError, match=f"^--micro-step-time {text}:"):
+    with pytest.raises(BadInput, match=f"^--micro-step-time {text}:"):
         parse_seconds(text, "--micro-step-time")
 
 
 def test_parse_float():
     assert parse_float("3e-4", "--base-lr") == pytest.approx(0.0003)
     assert parse_float("40%", "--mfu", allow_percent=True) == pytest.approx(0.4)
-    with pytest.raises(SizeError, match="^--base-lr 40%:"):
+    with pytest.raises(BadInput, match="^--base-lr 40%:"):
         parse_float("40%", "--base-lr")
 
 

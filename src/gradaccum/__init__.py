@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-__all__ = ["Accumulator", "StepResult", "windows", "__version__"]
+__all__ = ["Accumulator", "StepResult", "verify", "windows", "__version__"]
 
 
 def __getattr__(name):
@@ -11,4 +11,10 @@ def __getattr__(name):
         from . import engine
 
         return getattr(engine, name)
+    if name == "verify":
+        # the function; its module is gradaccum.verification (a module of the same name as
+        # the function would replace it here once imported)
+        from .verification import verify
+
+        return verify
     raise AttributeError(name)

@@ -2,4 +2,5 @@ import sys
 
 from gradaccum.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # `verify --world-size` starts processes that import this module
+    sys.exit(main())

@@ -1,25 +1,33 @@
 """The accumulation engine: one window of micro-batches, at most one optimizer step.
 
-The rules it keeps (DESIGN.md, "Numerical rules"):
+The rules it keeps (docs/design.md, "Numerical rules"):
 - the window's loss is the sum over every valid token divided by N, the valid tokens of the
-  whole window summed over ranks; each micro-batch's backward uses `loss_sum * world / N`
-  (DDP and FSDP2 average over ranks, the factor `world` undoes that);
+  whole window summed over the data-parallel ranks; each micro-batch's backward uses
+  `loss_sum * world / N` (DDP and FSDP2 average over ranks, the factor `world` undoes that):
+  `backward_scale`, computed once per window;
 - clip, optimizer step, scheduler step and zero_grad run once per window;
-- low-precision parameters add each gradient into an fp32 buffer as it is produced;
-- a non-finite loss or gradient anywhere in the window skips the whole window.
+- low-precision parameters add each gradient into an fp32 buffer as it is produced
+  (`grads.GradStore`);
+- a non-finite loss or gradient anywhere in the window skips the whole window;
+- nothing per micro-batch outlives its micro-step: host memory does not grow with k.
+
+Seams for tools built on the engine: `Accumulator.add_micro_grad_hook` (each micro-batch's
+own gradient), `Window.abandon` / `Accumulator.abandon_window` (drop a window, e.g. after
+running out of memory), and k free to change from one window to the next.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from . import devices, sync
+from .grads import GradStore
+from .noise import NoiseEstimate, NoiseScale
 from .precision import PRECISIONS, LossScaler, autocast_dtype, is_low_precision
 
 NORMALIZE = ("tokens", "micro_batch_mean")
@@ -58,6 +66,9 @@ class StepResult:
     that already had a communication hook: see `sync.count_grad_traffic`)."""
     grad_bytes: int = 0
     """Bytes of gradient this rank handed to those collectives (-1 when not counted)."""
+    noise: NoiseEstimate | None = None
+    """The gradient noise scale after this window (`Accumulator(noise_scale=True)`); None
+    when off, or before the first window of at least 2 micro-batches over all ranks."""
 
 
 def count_labels(ignore_index: int = -100, key: str = "labels") -> Callable[[object], torch.Tensor]:
@@ -96,21 +107,55 @@ def windows(iterable: Iterable, accum_steps: int, drop_last: bool = False) -> It
         yield window
 
 
+def backward_scale(
+    normalize: str,
+    tokens: float,
+    micro_steps: int,
+    world: int,
+    wrapper_averages: bool,
+    loss_scale: float = 1.0,
+) -> float:
+    """What each micro-batch's backward multiplies its loss by, for one window.
+
+    normalize "tokens": the loss is the micro-batch's summed token loss and `tokens` is N, the
+      window's valid tokens over all ranks: scale = world / N (docs/design.md, numerical rules).
+    normalize "micro_batch_mean": the loss is the micro-batch's own mean, and the window's
+      gradient is the mean over its `micro_steps` x `world` micro-batches.
+    world: ranks in the data-parallel group. wrapper_averages: whether the sync divides the
+      summed gradient by `world` (DDP, FSDP2), which the factor `world` undoes; the engine's
+      own all-reduce (bf16/fp16 parameters under DDP) sums, so it needs none.
+    loss_scale: the fp16 loss scale (1 otherwise); unscaled once at the window's end.
+    """
+    undo_average = world if wrapper_averages else 1
+    if normalize == "tokens":
+        return undo_average * loss_scale / max(tokens, 1)
+    return undo_average * loss_scale / max(micro_steps * world, 1)
+
+
 class Accumulator:
     """Runs windows of micro-batches and one optimizer step per window.
 
-    model: a plain module, or one wrapped in DistributedDataParallel or sharded with FSDP2
-      (their gradient collectives get counted: `sync.count_grad_traffic`, which also says how
-      to keep a DDP communication hook of your own).
+    model: a plain module, or one wrapped in DistributedDataParallel or sharded with FSDP2,
+      either of them possibly inside torch.compile (their gradient collectives get counted:
+      `sync.count_grad_traffic`, which also says how to keep a DDP communication hook of
+      your own).
     count_tokens: "auto" counts `labels != ignore_index` in dict batches before the first
       backward; a callable(batch) -> int does it for other batches; None (or a batch "auto"
-      cannot read) rescales the summed gradient once at the window's end instead.
+      cannot read) scales by an estimate of N from the first micro-batch and corrects the
+      summed gradient once at the window's end.
     accum_dtype: dtype of the accumulation buffer for bf16/fp16 parameters (fp32; bf16 only
       to study the error it causes).
     master_weights: for bf16/fp16 parameters, keep fp32 copies that the optimizer updates (the
       optimizer is re-pointed at them, so it must not have state yet).
     sync_every_micro_batch: reduce gradients after every micro-batch (FSDP2: keeps gradients
       sharded, k times the traffic); default is one sync per window.
+    noise_scale: estimate the gradient noise scale (the critical batch size) from each
+      micro-batch's own gradient as backward produces it (`gradaccum.noise`): one squared
+      norm per parameter and micro-batch, reported in `StepResult.noise`. Needs the token
+      mean and per-micro-batch gradients: one device or DDP, not FSDP2. `noise_decay` is
+      the decay of its moving averages, per window.
+    group: the data-parallel process group; by default DDP's `process_group` or FSDP2's mesh.
+      N, the world factor and every collective of the engine use it.
     """
 
     def __init__(
@@ -127,15 +172,11 @@ class Accumulator:
         ignore_index: int = -100,
         sync_every_micro_batch: bool = False,
         loss_scaler: LossScaler | None = None,
+        group=None,
+        noise_scale: bool = False,
+        noise_decay: float = 0.99,
     ):
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
-        if normalize not in NORMALIZE:
-            raise ValueError(f"normalize {normalize!r}: expected one of {', '.join(NORMALIZE)}")
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm {max_grad_norm}: must be positive")
-        if accum_dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
-            raise ValueError(f"accum_dtype {accum_dtype}: expected a floating dtype")
+        _check_arguments(precision, normalize, max_grad_norm, accum_dtype)
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -145,72 +186,33 @@ class Accumulator:
         self.sync_every_micro_batch = sync_every_micro_batch
         self.count_tokens = _auto_count(ignore_index) if count_tokens == "auto" else count_tokens
         self.scaler = loss_scaler or LossScaler(enabled=precision == "fp16")
+        self.autocast_dtype = autocast_dtype(precision)
         self.steps = 0
         self.skipped_total = 0
-
-        self._params = [p for p in model.parameters() if p.requires_grad]
-        if not self._params:
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
             raise ValueError("model has no parameters that require grad")
-        self.device = self._params[0].device
-        self._autocast = autocast_dtype(precision)
-        self._data_parallel = sync.averages_over_ranks(model)
+        self.device = params[0].device
+        self.dp = sync.data_parallel(model, group)
+        """The model's wrapper, data-parallel group and its size (`sync.DataParallel`)."""
+        _refuse_low_precision_sums(self.dp, params, accum_dtype, sync_every_micro_batch)
+        self.store = GradStore(params, self.dp, optimizer, accum_dtype, master_weights)
+        """Where the window's gradient lives until the optimizer takes it."""
+        self.noise = self._make_noise(params, noise_decay) if noise_scale else None
+        """The noise-scale estimator (`gradaccum.noise.NoiseScale`), or None."""
         self._last_batch = None
-        self._traffic = sync.count_grad_traffic(model) if self._data_parallel else None
 
-        # FSDP2 reduces and shards gradients itself (its MixedPrecisionPolicy sets the reduce
-        # dtype), so buffers apply to plain and DDP models only.
-        self._buffered = any(
-            self._needs_buffer(p, accum_dtype) for p in self._params
-        ) and not sync.is_fsdp2(model)
-        # Under DDP the buffers are not .grad tensors DDP can reduce: every micro-step runs
-        # without DDP's sync and the engine all-reduces the flat fp32 buffer once.
-        self._manual_sync = self._buffered and sync.is_ddp(model) and sync.world_size() > 1
-        self._buffers: dict[torch.Tensor, torch.Tensor] = {}
-        self._written: set[int] = set()
-        self._flat: torch.Tensor | None = None
-        if self._buffered:
-            self._make_buffers(accum_dtype)
-        self._masters: dict[torch.Tensor, torch.nn.Parameter] = {}
-        if master_weights:
-            self._make_masters()
-
-    # ---- fp32 accumulation buffers and master weights -------------------------------------
-
-    @staticmethod
-    def _needs_buffer(p: torch.Tensor, accum_dtype: torch.dtype) -> bool:
-        # Decided per parameter: a model may mix fp32 (norms, embeddings) and bf16 weights.
-        return is_low_precision(p.dtype) and p.dtype != accum_dtype
-
-    def _make_buffers(self, dtype: torch.dtype) -> None:
-        # Under manual sync every parameter, fp32 ones too, goes through the flat buffer so a
-        # single all-reduce covers the whole gradient.
-        chosen = [p for p in self._params if self._manual_sync or self._needs_buffer(p, dtype)]
-        self._flat = torch.zeros(sum(p.numel() for p in chosen), dtype=dtype, device=self.device)
-        offset = 0
-        for p in chosen:
-            self._buffers[p] = self._flat[offset : offset + p.numel()].view_as(p)
-            offset += p.numel()
-            p.register_post_accumulate_grad_hook(self._accumulate_into_buffer)
-
-    def _accumulate_into_buffer(self, p: torch.Tensor) -> None:
-        buf = self._buffers[p]
-        if id(p) in self._written:
-            buf.add_(p.grad)
-        else:
-            buf.copy_(p.grad)
-            self._written.add(id(p))
-        p.grad = None  # free the low-precision gradient at once
-
-    def _make_masters(self) -> None:
-        if not self._buffered:
-            raise ValueError("master_weights=True needs bf16/fp16 parameters with fp32 buffers")
-        if self.optimizer.state:
-            raise ValueError("master_weights=True: build the Accumulator before the first step")
-        for p in self._params:
-            if p in self._buffers and is_low_precision(p.dtype):
-                self._masters[p] = torch.nn.Parameter(p.detach().to(self._flat.dtype))
-        for group in self.optimizer.param_groups:
-            group["params"] = [self._masters.get(p, p) for p in group["params"]]
+    def _make_noise(self, params, decay: float) -> NoiseScale:
+        if self.normalize != "tokens":
+            raise ValueError("noise_scale=True needs normalize='tokens' (the window's token mean)")
+        if self.dp.kind == "fsdp2":
+            raise ValueError(
+                "noise_scale=True needs each micro-batch's own gradient, which FSDP2 does not "
+                "expose per micro-batch; use DDP or one device"
+            )
+        noise = NoiseScale(self.device, decay)
+        noise.watch(params)
+        return noise
 
     # ---- one window ----------------------------------------------------------------------
 
@@ -218,41 +220,56 @@ class Accumulator:
         """Forward and backward every micro-batch of one window, then step once.
 
         `loss_fn(model, batch)` returns the loss SUMMED over the batch's valid tokens and
-        their count. Under torchrun a rank with fewer micro-batches (its data ran out) repeats
-        its last batch with weight 0, so every rank joins the same collectives.
+        their count. Under torchrun a rank with fewer micro-batches repeats its last batch of
+        this window (or, with none this window, its last one before) with weight 0, so every
+        rank joins the same collectives. A window that raises is abandoned (`Window.abandon`).
         """
-        micro_batches = list(micro_batches)
-        has_batch = bool(micro_batches) or self._last_batch is not None
-        window = self._begin(micro_batches, None, has_batch)
-        for i in range(window.micro_steps):
-            real = i < len(micro_batches)
-            batch = micro_batches[i] if real else self._last_batch
-            if batch is None:
-                raise RuntimeError("a rank with no data yet cannot join a window")
-            with window.micro_step():
-                loss_sum, num_tokens = loss_fn(self.model, batch)
-                window.backward(loss_sum, num_tokens, weight=1.0 if real else 0.0)
-        if micro_batches:
-            self._last_batch = micro_batches[-1]
+        if not isinstance(micro_batches, Sequence):
+            micro_batches = list(micro_batches)
+        last = micro_batches[len(micro_batches) - 1] if len(micro_batches) else self._last_batch
+        window = self._begin(micro_batches, None, has_batch=last is not None)
+        try:
+            for i in range(window.micro_steps):
+                real = i < len(micro_batches)
+                batch = micro_batches[i] if real else last
+                with window.micro_step():  # nothing of this micro-batch outlives it
+                    window.backward(*loss_fn(self.model, batch), weight=1.0 if real else 0.0)
+        except BaseException:
+            window.abandon()
+            raise
+        self._last_batch = last
         return window.finish()
 
-    def begin_window(self, micro_batches: list | int, tokens: int | None = None) -> Window:
+    def begin_window(self, micro_batches: Sequence | int, tokens: int | None = None) -> Window:
         """Start a window by hand (for users who write their own inner loop).
 
         `micro_batches` is the window's list (tokens are counted from it) or just its length;
         `tokens` is this rank's valid-token count when known. Then, per micro-batch:
-        `with w.micro_step(): loss_sum, n = ...; w.backward(loss_sum, n)`; finally `w.finish()`.
+        `with w.micro_step(): loss_sum, n = ...; w.backward(loss_sum, n)`; finally `w.finish()`
+        (or `w.abandon()`). The length may differ from one window to the next.
         """
         return self._begin(micro_batches, tokens, has_batch=True)
 
-    def _begin(self, micro_batches: list | int, tokens: int | None, has_batch: bool) -> Window:
+    def abandon_window(self) -> None:
+        """Drop a window's partial gradients after a failed micro-batch (out of memory):
+        nothing stepped, nothing counted, the loss scale untouched. `step` does this itself
+        when a micro-batch raises; call it after a failure in a hand-written loop. Under
+        torchrun every rank must abandon the same window."""
+        self.store.clear()
+        if self.noise is not None:
+            self.noise.abandon()
+
+    def _begin(self, micro_batches: Sequence | int, tokens: int | None, has_batch: bool) -> Window:
         local_steps = micro_batches if isinstance(micro_batches, int) else len(micro_batches)
         counted = self._count_local(micro_batches) if tokens is None else int(tokens)
         known = counted is not None and self.normalize == "tokens"
         total, steps = counted or 0, local_steps
-        if self._data_parallel:
-            total, steps = sync.agree_on_window(total, local_steps, has_batch=has_batch)
-        return Window(self, steps, total if known else None)
+        if self.dp.averages:
+            total, steps = sync.agree_on_window(total, local_steps, self.dp.group, has_batch)
+        window = Window(self, steps, total if known else None)
+        if self.noise is not None and not isinstance(micro_batches, int):
+            window.sequences = _count_rows(micro_batches)
+        return window
 
     def _count_local(self, micro_batches) -> int | None:
         """This rank's valid tokens in the window (one host sync), or None if not countable."""
@@ -274,55 +291,94 @@ class Accumulator:
             "skipped_total": self.skipped_total,
             "scaler": self.scaler.state_dict(),
         }
-        if self._masters:
-            state["masters"] = [m.detach().clone() for m in self._masters.values()]
-        return state
+        if self.noise is not None:
+            state["noise"] = self.noise.state_dict()
+        return {**state, **self.store.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.steps = int(state["steps"])
         self.skipped_total = int(state["skipped_total"])
         self.scaler.load_state_dict(state["scaler"])
-        if self._masters:
-            with torch.no_grad():
-                for m, saved in zip(self._masters.values(), state["masters"], strict=True):
-                    m.copy_(saved)
-                for p, m in self._masters.items():
-                    p.copy_(m)
+        self.store.load_state_dict(state)
+        if self.noise is not None and "noise" in state:
+            self.noise.load_state_dict(state["noise"])
 
-    # ---- per-micro-batch gradients, for tools that need them (noise scale) -----------------
+    # ---- per-micro-batch gradients, for tools that need them (noise scale, verify) ---------
 
     def add_micro_grad_hook(self, fn: Callable[[str, torch.Tensor], None]):
         """Call `fn(param_name, grad)` with each micro-batch's own gradient of each parameter,
-        before it is added to the running sum (local to this rank, before any sync, scaled as
-        the backward was). Returns handles with `.remove()`."""
+        as backward produces it and before it is added to the running sum: local to this
+        rank, before any sync, in the parameter's dtype, and scaled as that backward was:
+        by `backward_scale(...)` (world / N for token normalization, times the fp16 loss
+        scale). When N is not counted up front the factor uses an estimate of N and the
+        window's sum is corrected only at its end. Returns handles with `.remove()`."""
         handles = []
         for name, p in self.model.named_parameters():
             if p.requires_grad:
                 handles.append(p.register_hook(_bind(fn, name)))
         return handles
 
-    # ---- used by Window ------------------------------------------------------------------
 
-    def _live_buffers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(parameter, buffer) pairs that hold this window's gradient. Under manual sync all
-        of them: a parameter unused on this rank may have a gradient from another."""
-        return [
-            (p, buf)
-            for p, buf in self._buffers.items()
-            if self._manual_sync or id(p) in self._written
-        ]
+def _check_arguments(precision, normalize, max_grad_norm, accum_dtype) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
+    if normalize not in NORMALIZE:
+        raise ValueError(f"normalize {normalize!r}: expected one of {', '.join(NORMALIZE)}")
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise ValueError(f"max_grad_norm {max_grad_norm}: must be positive")
+    if accum_dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        raise ValueError(f"accum_dtype {accum_dtype}: expected a floating dtype")
 
-    def _gradients(self) -> list[torch.Tensor]:
-        grads = [buf for _, buf in self._live_buffers()]
-        grads += [p.grad for p in self._params if p not in self._buffers and p.grad is not None]
-        return grads
 
-    def _clear(self) -> None:
-        for p in self._params:
-            p.grad = None
-        for m in self._masters.values():
-            m.grad = None
-        self._written.clear()
+def _refuse_low_precision_sums(dp, params, accum_dtype, sync_every_micro_batch) -> None:
+    """Refuse the combinations whose window sum would silently be added in bf16/fp16 although
+    fp32 accumulation (`accum_dtype`) was asked for."""
+    if is_low_precision(accum_dtype):
+        return
+    low = next((p.dtype for p in params if is_low_precision(p.dtype)), None)
+    if dp.kind == "ddp" and dp.world > 1 and low is not None and sync_every_micro_batch:
+        raise ValueError(
+            f"sync_every_micro_batch=True with DDP and {low} parameters: DDP would all-reduce "
+            f"every micro-batch's gradient in {low}, while the engine adds the window in fp32 "
+            "and all-reduces that sum once; drop sync_every_micro_batch (or keep fp32 "
+            "parameters)"
+        )
+    if dp.kind != "fsdp2":
+        return
+    summed_in = sync.fsdp2_accumulation_dtype(dp.wrapper)
+    if summed_in is not None and is_low_precision(summed_in):
+        raise ValueError(
+            f"FSDP2 would add the window's micro-batch gradients in {summed_in}: shard with "
+            "fully_shard(..., mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))"
+        )
+    if low is not None and sync_every_micro_batch:
+        raise ValueError(
+            f"sync_every_micro_batch=True with FSDP2 and {low} parameters: each micro-batch's "
+            f"reduced shard would be added to the last in {low}; drop sync_every_micro_batch "
+            "(or keep fp32 parameters with MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
+            "reduce_dtype=torch.float32))"
+        )
+
+
+@dataclass
+class _Measured:
+    """A window's figures after its one host sync; gradient figures are unscaled."""
+
+    loss: float
+    grad_norm: float
+    tokens: float
+    unscale: float  # what the summed gradient must be multiplied by (late N, loss scale)
+    lr: float
+    loss_scale: float | None
+    noise_sums: list[float] = field(default_factory=list)  # sum_i n_i |g_i|^2, n, sequences
+
+    @property
+    def finite(self) -> bool:
+        return math.isfinite(self.loss) and math.isfinite(self.grad_norm)
+
+    @property
+    def ok(self) -> bool:
+        return self.finite and self.tokens > 0
 
 
 class Window:
@@ -333,17 +389,32 @@ class Window:
         self.micro_steps = micro_steps
         self.tokens = tokens  # N over all ranks when counted up front, else None
         self._index = 0
-        # DDP and FSDP2 average over ranks, the engine's own fp32 sync sums.
-        self._world = sync.world_size() if acc._data_parallel else 1
-        self._rank_factor = 1 if acc._manual_sync else self._world
-        self._late_scale: float | None = None
-        # Per micro-batch (summed loss or mean, valid tokens), summed once at finish: no
-        # small tensor arithmetic on the per-micro-batch path.
-        self._losses: list[torch.Tensor] = []
-        self._counts: list[torch.Tensor | int] = []
-        traffic = acc._traffic
-        self._traffic_start = (traffic.collectives, traffic.bytes) if traffic else (0, 0)
+        self._world = acc.dp.world
+        # The backward scale, once per window; None until the first micro-batch when N is
+        # not known up front (it is then scaled by an estimate of N, corrected at the end).
+        self._scale = (
+            None
+            if tokens is None and acc.normalize == "tokens"
+            else self._scale_for(tokens or 0, acc.scaler.scale)
+        )
+        # Running sums (on the device, no host sync): nothing per micro-batch outlives it.
+        self._loss_sum = torch.zeros((), dtype=torch.float64, device=acc.device)
+        self._tokens_seen = torch.zeros((), dtype=torch.float64, device=acc.device)
+        self._traffic_start = acc.store.traffic()
+        self.sequences = 0
+        """This rank's sequences (rows) in the window, for the noise scale in sequences."""
         devices.reset_peak_memory(acc.device)
+
+    def _scale_for(self, tokens: float, loss_scale: float) -> float:
+        acc = self.acc
+        return backward_scale(
+            acc.normalize,
+            tokens,
+            self.micro_steps,
+            self._world,
+            acc.dp.averages and not acc.store.manual_sync,
+            loss_scale,
+        )
 
     @contextmanager
     def micro_step(self):
@@ -351,10 +422,10 @@ class Window:
         except on the window's last micro-batch."""
         acc = self.acc
         last = self._index == self.micro_steps - 1
-        skip_sync = acc._manual_sync or not (last or acc.sync_every_micro_batch)
+        skip_sync = acc.store.manual_sync or not (last or acc.sync_every_micro_batch)
         with ExitStack() as stack:
-            stack.enter_context(sync.no_backward_sync(acc.model, enabled=skip_sync))
-            stack.enter_context(devices.autocast(acc.device, acc._autocast))
+            stack.enter_context(sync.no_backward_sync(acc.dp.wrapper, enabled=skip_sync))
+            stack.enter_context(devices.autocast(acc.device, acc.autocast_dtype))
             yield
         self._index += 1
 
@@ -363,150 +434,117 @@ class Window:
         token mean (or the micro-batch mean, if the Accumulator was built that way). Weight 0
         marks a repeated batch that only joins the collectives."""
         acc = self.acc
-        loss_sum = loss_sum.float()
+        loss = loss_sum.float()
         if acc.normalize == "micro_batch_mean":
-            n = torch.as_tensor(num_tokens, device=loss_sum.device).clamp(min=1)
-            mean = loss_sum / n / self.micro_steps
-            # The sync must leave the mean over ranks, whether it averages or sums.
-            scaled, factor, kept = mean, self._rank_factor / self._world, mean
-        else:
-            scaled, factor, kept = (
-                loss_sum,
-                self._rank_factor * self._token_factor(num_tokens),
-                loss_sum,
-            )
+            loss = loss / torch.as_tensor(num_tokens, device=loss.device).clamp(min=1)
+        if self._scale is None:
+            self._scale = self._estimated_scale(num_tokens if weight else 0)
         if weight:
-            self._losses.append(kept.detach())
-            self._counts.append(num_tokens)
-        else:
-            factor = 0.0
-        if acc.scaler.enabled:
-            factor *= acc.scaler.scale
-        scaled = scaled * factor
-        if acc._autocast is None:
+            self._loss_sum.add_(loss.detach())
+            self._tokens_seen.add_(num_tokens)
+        scaled = loss * (self._scale if weight else 0.0)
+        if acc.autocast_dtype is None:
             scaled.backward()
         else:
             with torch.autocast(acc.device.type, enabled=False):
                 scaled.backward()
+        if acc.noise is not None:  # its hooks saw this backward's gradients, scaled
+            acc.noise.end_micro(self._scale if weight else 0.0, num_tokens)
 
-    def _token_factor(self, n) -> float:
-        if self.tokens is not None:
-            return 1.0 / max(self.tokens, 1)
-        if self._late_scale is None:
-            # N is not known yet: scale by an estimate from the first micro-batch (one host
-            # sync) and correct once at the end. Ranks must agree on the estimate, so under
-            # data parallelism it is 1 / micro_steps.
-            if self.acc._data_parallel:
-                self._late_scale = 1.0 / self.micro_steps
-            else:
-                self._late_scale = 1.0 / (max(float(n), 1.0) * self.micro_steps)
-        return self._late_scale
+    def _estimated_scale(self, first_tokens) -> float:
+        # N is not known: estimate it as the first micro-batch's tokens (summed over ranks,
+        # so that every rank scales alike) times the micro-steps. One host sync, and under
+        # data parallelism one 8-byte all-reduce, per window; `finish` corrects it exactly.
+        first = torch.as_tensor(first_tokens, dtype=torch.float64, device=self.acc.device)
+        if self.acc.dp.averages:
+            first = sync.all_reduce_sum(first.reshape(1), self.acc.dp.group)
+        return self._scale_for(float(first.sum()) * self.micro_steps, self.acc.scaler.scale)
 
     def finish(self) -> StepResult:
-        """Sync (where the engine owns it), unscale, check, clip, step once, clear."""
+        """Reduce -> measure (the window's one host sync) -> step or skip -> result."""
         acc = self.acc
-        if acc._manual_sync:
-            for p, buf in acc._buffers.items():
-                if id(p) not in acc._written:
-                    buf.zero_()  # a parameter unused on this rank adds nothing
-            dist.all_reduce(acc._flat)
-        device = acc.device
-        stats = torch.zeros(2, dtype=torch.float64, device=device)
-        if self._losses:
-            stats[0] = torch.stack(self._losses).to(device, torch.float64).sum()
-            stats[1] = (
-                torch.stack([torch.as_tensor(c).to(device) for c in self._counts])
-                .to(torch.float64)
-                .sum()
-            )
-        if acc._data_parallel:
-            stats = sync.all_reduce_sum(stats)
-        grads = acc._gradients()
-        loss_total, tokens_seen = stats[0], stats[1]
-        n_tokens = self.tokens if self.tokens is not None else tokens_seen
-        correction = 1.0
-        if acc.normalize == "tokens" and self.tokens is None and self._late_scale is not None:
-            correction = (1.0 / (torch.as_tensor(n_tokens).clamp(min=1) * self._late_scale)).item()
-        if acc.scaler.enabled:
-            correction /= acc.scaler.scale
-        if correction != 1.0 and grads:
-            torch._foreach_mul_(grads, correction)
-        norm = _total_norm(grads, acc.device)
-        if acc.normalize == "tokens":
-            loss = loss_total / torch.as_tensor(n_tokens, dtype=torch.float64).clamp(min=1)
-        else:
-            loss = loss_total / self._world
-        loss_f, norm_f, tokens_f, reported = torch.stack(
-            [
-                loss.double(),
-                norm.double().to(loss.device),
-                torch.as_tensor(n_tokens, dtype=torch.float64, device=loss.device),
-                tokens_seen,
-            ]
-        ).tolist()  # the window's one host sync
-        if acc.normalize == "tokens" and self.micro_steps and round(reported) != round(tokens_f):
-            acc._clear()
-            raise ValueError(
-                f"the window's micro-batches hold {round(tokens_f)} valid tokens by count_tokens"
-                f" but loss_fn reported {round(reported)}: both must count the same labels (if "
-                "loss_fn shifts labels itself, pass a count_tokens that shifts them too)"
-            )
-        lr = float(acc.optimizer.param_groups[0]["lr"])
-        scale = acc.scaler.scale if acc.scaler.enabled else None
-        ok = math.isfinite(loss_f) and math.isfinite(norm_f) and tokens_f > 0
-        if ok:
-            if acc.max_grad_norm is not None and grads:
-                coef = min(1.0, acc.max_grad_norm / (norm_f + 1e-6))
-                if coef < 1.0:
-                    torch._foreach_mul_(grads, coef)
-            self._hand_to_optimizer()
-            acc.optimizer.step()
-            if acc._masters:
-                with torch.no_grad():
-                    for p, m in acc._masters.items():
-                        p.copy_(m)
-            if acc.scheduler is not None:
-                acc.scheduler.step()
-            acc.steps += 1
+        acc.store.reduce()
+        grads = acc.store.gradients()
+        measured = self._measure(grads)
+        if measured.ok:
+            self._step(grads, measured)
+            if acc.noise is not None:  # S_big: the window's gradient, unscaled, unclipped
+                weighted, micro_batches, sequences = measured.noise_sums
+                s_big = measured.grad_norm**2
+                acc.noise.update((weighted, micro_batches), s_big, measured.tokens, sequences)
         else:
             acc.skipped_total += 1
-        acc.scaler.update(found_inf=not (math.isfinite(norm_f) and math.isfinite(loss_f)))
-        acc._clear()
+        acc.scaler.update(found_inf=not measured.finite)
+        acc.store.clear()
+        return self._result(measured)
+
+    def abandon(self) -> None:
+        """Drop this window: partial gradients cleared, nothing stepped or counted, the loss
+        scale untouched (for out-of-memory recovery; then run the window again, smaller)."""
+        self.acc.abandon_window()
+
+    def _measure(self, grads: list[torch.Tensor]) -> _Measured:
+        acc = self.acc
+        sums = torch.stack([self._loss_sum, self._tokens_seen])
+        if acc.noise is not None:  # they travel in the window's one small all-reduce
+            rows = torch.tensor([float(self.sequences)], dtype=sums.dtype, device=sums.device)
+            sums = torch.cat([sums, acc.noise.local_sums().to(sums.device), rows])
+        if acc.dp.averages:
+            sums = sync.all_reduce_sum(sums, acc.dp.group)
+        loss_total, seen = sums[0], sums[1]
+        n_tokens = seen if self.tokens is None else torch.full_like(seen, self.tokens)
+        if acc.normalize == "tokens":
+            loss = loss_total / n_tokens.clamp(min=1)
+        else:
+            loss = loss_total / (self.micro_steps * self._world)
+        norm = _total_norm(grads, acc.device).double().to(loss.device)
+        figures = torch.cat([torch.stack([loss, norm, n_tokens, seen]), sums[2:]]).tolist()
+        loss_f, norm_f, tokens_f, seen_f = figures[:4]
+        if acc.normalize == "tokens" and self.micro_steps and round(seen_f) != round(tokens_f):
+            acc.store.clear()
+            raise ValueError(
+                f"the window's micro-batches hold {round(tokens_f)} valid tokens by count_tokens"
+                f" but loss_fn reported {round(seen_f)}: both must count the same labels (if "
+                "loss_fn shifts labels itself, pass a count_tokens that shifts them too)"
+            )
+        # The gradient was summed under self._scale; the window's own is that of N, unscaled.
+        unscale = self._scale_for(tokens_f, 1.0) / self._scale if self._scale else 1.0
+        loss_scale = acc.scaler.scale if acc.scaler.enabled else None
+        lr = float(acc.optimizer.param_groups[0]["lr"])
+        measured = _Measured(loss_f, norm_f * unscale, tokens_f, unscale, lr, loss_scale)
+        measured.noise_sums = figures[4:]
+        return measured
+
+    def _step(self, grads: list[torch.Tensor], measured: _Measured) -> None:
+        """Unscale and clip in one pass, step the optimizer and the scheduler once."""
+        acc = self.acc
+        coef = measured.unscale
+        if acc.max_grad_norm is not None:
+            coef *= min(1.0, acc.max_grad_norm / (measured.grad_norm + 1e-6))
+        if coef != 1.0 and grads:
+            torch._foreach_mul_(grads, coef)
+        acc.store.step(acc.optimizer.step)
+        if acc.scheduler is not None:
+            acc.scheduler.step()
+        acc.steps += 1
+
+    def _result(self, measured: _Measured) -> StepResult:
+        collectives, nbytes = self.acc.store.window_traffic(self._traffic_start)
         return StepResult(
-            loss=loss_f,
-            tokens=int(round(tokens_f)),
+            loss=measured.loss,
+            tokens=int(round(measured.tokens)),
             micro_steps=self.micro_steps,
-            grad_norm=norm_f if ok else math.nan,
-            skipped=not ok,
-            lr=lr,
-            step=acc.steps,
-            skipped_total=acc.skipped_total,
-            loss_scale=scale,
-            peak_memory_bytes=devices.peak_memory_bytes(acc.device),
-            **self._traffic_counts(),
+            grad_norm=measured.grad_norm if measured.ok else math.nan,
+            skipped=not measured.ok,
+            lr=measured.lr,
+            step=self.acc.steps,
+            skipped_total=self.acc.skipped_total,
+            loss_scale=measured.loss_scale,
+            peak_memory_bytes=devices.peak_memory_bytes(self.acc.device),
+            grad_collectives=collectives,
+            grad_bytes=nbytes,
+            noise=None if self.acc.noise is None else self.acc.noise.last,
         )
-
-    def _traffic_counts(self) -> dict[str, int]:
-        acc = self.acc
-        if acc._manual_sync:  # DDP never syncs: the engine's one all-reduce is the traffic
-            flat = acc._flat
-            return {"grad_collectives": 1, "grad_bytes": flat.numel() * flat.element_size()}
-        if acc._traffic is None:  # one device (nothing to count), or counting was refused
-            none = 0 if not acc._data_parallel else -1
-            return {"grad_collectives": none, "grad_bytes": none}
-        start_collectives, start_bytes = self._traffic_start
-        return {
-            "grad_collectives": acc._traffic.collectives - start_collectives,
-            "grad_bytes": acc._traffic.bytes - start_bytes,
-        }
-
-    def _hand_to_optimizer(self) -> None:
-        acc = self.acc
-        for p, buf in acc._live_buffers():
-            if p in acc._masters:
-                acc._masters[p].grad = buf if buf.dtype == acc._masters[p].dtype else buf.float()
-            else:
-                p.grad = buf.to(p.dtype) if buf.dtype != p.dtype else buf
 
 
 def _bind(fn: Callable[[str, torch.Tensor], None], name: str) -> Callable[[torch.Tensor], None]:
@@ -523,3 +561,17 @@ def _total_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor
     if hasattr(norm, "full_tensor"):  # DTensor gradients under FSDP2
         norm = norm.full_tensor()
     return norm
+
+
+def _count_rows(micro_batches) -> int:
+    """Sequences (rows) in a window's batches: `labels` of dict batches, `batch[1]` of
+    tuples; 0 when a batch has neither (the noise scale is then reported in tokens only)."""
+    rows = 0
+    for batch in micro_batches:
+        labels = batch.get("labels") if isinstance(batch, Mapping) else None
+        if labels is None and isinstance(batch, (tuple, list)) and len(batch) > 1:
+            labels = batch[1]
+        if not isinstance(labels, torch.Tensor) or labels.dim() == 0:
+            return 0
+        rows += labels.shape[0]
+    return rows

@@ -1,6 +1,8 @@
 """Where gradient synchronisation plugs into the engine, for every kind of model wrapper.
 
-One tiny interface per backend: DDP skips its all-reduce inside `no_sync()`; FSDP2 modules
+`data_parallel` finds the wrapper once, in one place: DDP, FSDP2, either inside
+`torch.compile`'s wrapper, and its data-parallel process group (DDP's `process_group`,
+FSDP2's mesh, or the one the user passes). One tiny interface per backend: DDP skips its all-reduce inside `no_sync()`; FSDP2 modules
 take `set_requires_gradient_sync(False)`; a plain module needs nothing. The token count of a
 window and its loss are summed over ranks with one small collective each. `GradTraffic`
 counts the gradient collectives a wrapper launches (a DDP communication hook, an FSDP2
@@ -9,6 +11,7 @@ reduce-scatter), so each window can report how many it cost.
 
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
@@ -25,18 +28,117 @@ def world_size(group=None) -> int:
     return dist.get_world_size(group) if is_distributed(group) else 1
 
 
+def unwrap_compiled(model: torch.nn.Module) -> torch.nn.Module:
+    """The module inside `torch.compile`'s wrapper (`OptimizedModule._orig_mod`), or `model`.
+    `torch.compile(DDP(model))` is PyTorch's documented pattern: the DDP sits inside."""
+    while isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
+        model = model._orig_mod
+    return model
+
+
 def is_ddp(model: torch.nn.Module) -> bool:
-    return isinstance(model, DistributedDataParallel)
+    return isinstance(unwrap_compiled(model), DistributedDataParallel)
 
 
 def is_fsdp2(model: torch.nn.Module) -> bool:
     # FSDPModule (torch >= 2.6) exposes this method; duck-typed so older torch still imports.
-    return hasattr(model, "set_requires_gradient_sync") and hasattr(model, "reshard")
+    inner = unwrap_compiled(model)
+    return hasattr(inner, "set_requires_gradient_sync") and hasattr(inner, "reshard")
 
 
 def averages_over_ranks(model: torch.nn.Module) -> bool:
     """Whether the wrapper divides the summed gradient by the world size (DDP and FSDP2 do)."""
     return is_ddp(model) or is_fsdp2(model)
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """How a model's gradients meet across ranks, found once from its wrapper."""
+
+    kind: str
+    """"ddp", "fsdp2" or "none" (one device, or a model the engine sees no wrapper around)."""
+    wrapper: torch.nn.Module
+    """The DDP or FSDP2 module (inside torch.compile's wrapper); the model itself for "none"."""
+    group: object | None
+    """The data-parallel process group (None: the default group)."""
+    world: int
+    """Ranks in that group: the ranks whose tokens make up one window's N."""
+
+    @property
+    def averages(self) -> bool:
+        """Whether the wrapper's sync divides the summed gradient by `world`."""
+        return self.kind != "none"
+
+
+def data_parallel(model: torch.nn.Module, group=None) -> DataParallel:
+    """Find the wrapper of `model` (DDP, FSDP2, either inside torch.compile) and its
+    data-parallel group: `group` when given, else DDP's `process_group` or FSDP2's mesh.
+
+    Under an initialised process group of several ranks, a model with no wrapper the engine
+    can see is named in a warning (once per call site) rather than silently run as one device.
+    """
+    inner = unwrap_compiled(model)
+    if is_ddp(inner):
+        group = inner.process_group if group is None else group
+        return DataParallel("ddp", inner, group, world_size(group))
+    if is_fsdp2(inner):
+        group = _fsdp2_group(inner) if group is None else group
+        return DataParallel("fsdp2", inner, group, world_size(group))
+    if world_size() > 1:
+        warnings.warn(
+            f"{type(inner).__name__} is not wrapped in DistributedDataParallel or FSDP2 (nor "
+            f"either inside torch.compile) although {world_size()} ranks are running: its "
+            "gradients are not synced and each rank steps on its own data",
+            stacklevel=3,
+        )
+    return DataParallel("none", inner, None, 1)
+
+
+def _fsdp2_group(module: torch.nn.Module):
+    """The process group FSDP2 reduces over: its mesh's group (1-D), the default group when
+    the mesh spans every rank (HSDP), else none can be told apart: ask for `group=`."""
+    mesh = _fsdp2_mesh(module)
+    if mesh is None or mesh.size() == world_size():
+        return None
+    if mesh.ndim == 1:
+        return mesh.get_group()
+    raise ValueError(
+        f"FSDP2 over a {mesh.ndim}-D mesh of {mesh.size()} of {world_size()} ranks: pass its "
+        "data-parallel process group as Accumulator(..., group=)"
+    )
+
+
+def _fsdp2_mesh(module: torch.nn.Module):
+    """The device mesh FSDP2 shards `module` over (it has no public getter; the parameters'
+    DTensor mesh when its internals differ)."""
+    try:
+        return module._get_fsdp_state()._fsdp_param_groups[0].mesh_info.mesh
+    except (AttributeError, IndexError, TypeError):
+        pass
+    for p in module.parameters():
+        if hasattr(p, "device_mesh"):
+            return p.device_mesh
+    return None
+
+
+def fsdp2_accumulation_dtype(module: torch.nn.Module) -> torch.dtype | None:
+    """The dtype FSDP2 adds a window's unsharded gradients in, across micro-batches without
+    sync: its reduce dtype when that differs from the compute (param) dtype, else the compute
+    dtype. The lowest precision over the sharded modules; None when it cannot be read."""
+    found = []
+    for m in unwrap_compiled(module).modules():
+        if not hasattr(m, "set_requires_gradient_sync"):
+            continue
+        try:
+            policy = m._get_fsdp_state()._mp_policy
+        except AttributeError:
+            return None
+        stored = next((p.dtype for p in m.parameters(recurse=False)), None)
+        stored = stored or next((p.dtype for p in m.parameters()), torch.float32)
+        compute = policy.param_dtype or stored
+        reduce = policy.reduce_dtype
+        found.append(reduce if reduce is not None and reduce != compute else compute)
+    return min(found, key=lambda d: torch.finfo(d).bits) if found else None
 
 
 @contextmanager
@@ -55,6 +157,7 @@ def no_backward_sync(model: torch.nn.Module, enabled: bool = True):
     """
     if not enabled:
         return nullcontext()
+    model = unwrap_compiled(model)
     if is_ddp(model):
         return model.no_sync()
     if is_fsdp2(model):
@@ -159,6 +262,7 @@ def count_grad_traffic(model: torch.nn.Module, hook=None, state=None) -> GradTra
     reduce-scatter as before (HSDP's all-reduce across replicas is not counted); None when
     a module has several parameter groups (per-parameter meshes).
     """
+    model = unwrap_compiled(model)
     existing = getattr(model, _TRAFFIC_ATTR, None)
     if existing is not None:
         return existing

@@ -1,5 +1,8 @@
 """What the distributed tests share: per-rank ragged data, the global windows it forms, and
-the single-process reference that takes each global window as one batch (no engine)."""
+the single-process reference that takes each global window as one batch (no engine).
+
+The process harness and the gradient recorders are `gradaccum.testing`'s, re-exported here.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +10,15 @@ from contextlib import contextmanager
 from functools import lru_cache
 
 import torch
-from reference import IGNORE, big_batch, big_batch_grads, make_gpt, ragged_batches, token_loss
+from reference import big_batch, big_batch_grads, make_gpt, ragged_batches, token_loss
+
+from gradaccum.testing import (  # noqa: F401 - re-exported for the tests
+    adamw,
+    full,
+    record_grads,
+    run_ranks,
+    valid_tokens,
+)
 
 K = 4  # micro-batches per rank per window
 TIMEOUT_S = 90.0  # a rank that hangs fails the test instead of blocking the suite
@@ -25,14 +36,6 @@ def global_windows(counts: tuple[int, ...], k: int = K, seed: int = 100) -> list
     for i in range(0, max(counts), k):
         out.append([b for data in per_rank for b in data[i : i + k]])
     return out
-
-
-def valid_tokens(batches: list[dict]) -> int:
-    return sum(int((b["labels"] != IGNORE).sum()) for b in batches)
-
-
-def adamw(params) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
 
 @lru_cache(maxsize=4)
@@ -66,22 +69,6 @@ def comparable(params: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         else:
             out.append(p.detach())
     return out
-
-
-def record_grads(optimizer: torch.optim.Optimizer) -> list[list[torch.Tensor]]:
-    """The gradients the optimizer is handed at each step (full tensors under FSDP2)."""
-    seen: list[list[torch.Tensor]] = []
-
-    def hook(opt, args, kwargs):
-        params = [p for g in opt.param_groups for p in g["params"]]
-        seen.append([full(p.grad).detach().clone() for p in params])
-
-    optimizer.register_step_pre_hook(hook)
-    return seen
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 @contextmanager

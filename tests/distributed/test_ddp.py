@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gradaccum import Accumulator, sync
 from gradaccum.distributed import aligned_windows
-from gradaccum.distributed_check import run_ranks
+from gradaccum.testing import run_ranks
 
 from .ranks import (
     TIMEOUT_S,
@@ -33,8 +33,12 @@ from .ranks import (
     valid_tokens,
 )
 
+pytestmark = pytest.mark.slow  # one spawn of 2 processes for the module
+
 EVEN = (12, 12)  # micro-batches per rank: 3 windows of k = 4 each
 EARLY = (12, 7)  # rank 1 runs out in window 2 and has nothing in window 3
+FIRST_K = 5
+FIRST = (7, 2)  # k = 5: rank 1 runs out in the FIRST window (5 and 2), then has nothing
 
 
 def _train(info, counts, **acc_kwargs) -> dict:
@@ -91,6 +95,18 @@ def _hooks(info) -> dict:
     return out
 
 
+def _first_window(info) -> dict:
+    # rank 1 runs out at its third micro-step of the first window: it repeats its own last
+    # batch of this window with weight 0, then (window 2) that same batch again
+    model = make_gpt()
+    ddp = DistributedDataParallel(model)
+    opt = GradRecorder(ddp.parameters())
+    acc = Accumulator(ddp, opt)
+    data = rank_data(info.rank, FIRST[info.rank])
+    results = [asdict(acc.step(w, token_loss)) for w in aligned_windows(data, FIRST_K)]
+    return {"grads": opt.seen, "results": results}
+
+
 def _stranded(info) -> str:
     # rank 1 has no data at all: both ranks must fail fast with the same message, not hang
     model = make_gpt()
@@ -111,6 +127,7 @@ def ddp_scenarios(info) -> dict:
         "buckets": _buckets(info),
         "bf16": _bf16(info),
         "hooks": _hooks(info),
+        "first": _first_window(info),
     }
     out["stranded"] = _stranded(info)  # last: the group is not used after it
     return out
@@ -244,3 +261,18 @@ def test_own_comm_hook_is_counted_and_a_foreign_one_reported(rank0):
     assert own["result"]["grad_bytes"] == 4 * _num_params(make_gpt())
     assert max_rel_error(foreign["grads"], want) <= 1e-5
     assert (foreign["result"]["grad_collectives"], foreign["result"]["grad_bytes"]) == (-1, -1)
+
+
+def test_rank_that_runs_out_in_the_first_window_matches_one_process(ranks):
+    # reference: one process, each global window (rank 0's 5 and rank 1's 2 micro-batches,
+    # then rank 0's last 2) as one batch, no engine
+    windows = global_windows(FIRST, k=FIRST_K)
+    assert [len(w) for w in windows] == [7, 2]
+    want = [big_batch_grads(make_gpt(), w) for w in windows]
+    for rank in ranks:
+        got = rank["first"]
+        assert [r["micro_steps"] for r in got["results"]] == [FIRST_K, 2]
+        assert [r["tokens"] for r in got["results"]] == [valid_tokens(w) for w in windows]
+        assert [r["step"] for r in got["results"]] == [1, 2]
+        for seen, ref in zip(got["grads"], want, strict=True):
+            assert max_rel_error(seen, ref) <= 1e-5

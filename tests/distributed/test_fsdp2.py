@@ -6,11 +6,12 @@ from __future__ import annotations
 from dataclasses import asdict
 
 import pytest
-from reference import make_gpt, max_rel_error, token_loss
+import torch
+from reference import big_batch_grads, make_gpt, max_rel_error, token_loss
 
 from gradaccum import Accumulator
 from gradaccum.distributed import aligned_windows
-from gradaccum.distributed_check import run_ranks
+from gradaccum.testing import run_ranks
 
 from .ranks import (
     TIMEOUT_S,
@@ -29,8 +30,12 @@ fsdp = pytest.importorskip("torch.distributed.fsdp", reason="torch without FSDP2
 if not hasattr(fsdp, "fully_shard"):
     pytest.skip("this torch has no torch.distributed.fsdp.fully_shard", allow_module_level=True)
 
+pytestmark = pytest.mark.slow  # one spawn of 2 processes for the module
+
 EVEN = (12, 12)
 EARLY = (12, 7)
+FIRST_K = 5
+FIRST = (7, 2)  # k = 5: rank 1 runs out in the FIRST window (5 and 2), then has nothing
 SCENARIOS = {
     "once": (EVEN, False),
     "every": (EVEN, True),
@@ -38,11 +43,16 @@ SCENARIOS = {
 }
 
 
-def _train(info, counts, every: bool) -> dict:
+def _sharded(**kwargs):
     model = make_gpt()
     for block in model.blocks:
-        fsdp.fully_shard(block)
-    fsdp.fully_shard(model)
+        fsdp.fully_shard(block, **kwargs)
+    fsdp.fully_shard(model, **kwargs)
+    return model
+
+
+def _train(info, counts, every: bool) -> dict:
+    model = _sharded()
     opt = adamw(model.parameters())
     grads = record_grads(opt)
     acc = Accumulator(model, opt, sync_every_micro_batch=every)
@@ -52,13 +62,43 @@ def _train(info, counts, every: bool) -> dict:
     return {"params": params, "grads": grads, "results": results}
 
 
+def _first_window(info) -> dict:
+    # lr 0: the parameters stay put, so every window's reference starts from the same model
+    model = _sharded()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    grads = record_grads(opt)
+    acc = Accumulator(model, opt)
+    data = rank_data(info.rank, FIRST[info.rank])
+    results = [asdict(acc.step(w, token_loss)) for w in aligned_windows(data, FIRST_K)]
+    return {"grads": grads, "results": results}
+
+
+def _stranded(info) -> str:
+    # rank 1 has no data at all: both ranks must fail fast with the same message, not hang
+    model = _sharded()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.0))
+    try:
+        acc.step(rank_data(info.rank, K) if info.rank == 0 else [], token_loss)
+    except RuntimeError as err:
+        return str(err)
+    return "no error"
+
+
 def fsdp2_scenarios(info) -> dict:
-    return {name: _train(info, counts, every) for name, (counts, every) in SCENARIOS.items()}
+    out = {name: _train(info, counts, every) for name, (counts, every) in SCENARIOS.items()}
+    out["first"] = _first_window(info)
+    out["stranded"] = _stranded(info)  # last: the group is not used after it
+    return out
 
 
 @pytest.fixture(scope="module")
-def rank0():
-    return run_ranks(fsdp2_scenarios, 2, timeout_s=TIMEOUT_S)[0]
+def ranks():
+    return run_ranks(fsdp2_scenarios, 2, timeout_s=TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def rank0(ranks):
+    return ranks[0]
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
@@ -87,3 +127,20 @@ def test_one_reduce_scatter_per_shard_group_per_window(rank0):
     assert [r["grad_bytes"] for r in once] == [4 * padded] * 3
     assert [r["grad_collectives"] for r in every] == [K * groups] * 3
     assert [r["grad_bytes"] for r in every] == [K * 4 * padded] * 3
+
+
+def test_rank_that_runs_out_in_the_first_window_matches_one_process(ranks):
+    windows = global_windows(FIRST, k=FIRST_K)
+    assert [len(w) for w in windows] == [7, 2]
+    want = [big_batch_grads(make_gpt(), w) for w in windows]
+    for rank in ranks:
+        got = rank["first"]
+        assert [r["micro_steps"] for r in got["results"]] == [FIRST_K, 2]
+        assert [r["tokens"] for r in got["results"]] == [valid_tokens(w) for w in windows]
+        for seen, ref in zip(got["grads"], want, strict=True):
+            assert max_rel_error(seen, ref) <= 1e-5
+
+
+def test_rank_without_any_data_fails_on_every_rank(ranks):
+    for rank in ranks:
+        assert "ranks [1] have no micro-batch" in rank["stranded"]

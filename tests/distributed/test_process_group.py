@@ -7,7 +7,7 @@ import torch
 
 from gradaccum import distributed, sync
 from gradaccum.distributed import aligned_windows, env_ranks, init_distributed
-from gradaccum.distributed_check import run_ranks
+from gradaccum.testing import run_ranks
 
 
 def test_env_ranks_read_torchrun_variables():
@@ -66,6 +66,7 @@ def _rank_fails(info):
     return "unreachable"
 
 
+@pytest.mark.slow
 def test_a_failing_rank_is_reported_not_waited_for():
     with pytest.raises(RuntimeError, match="rank one broke"):
         run_ranks(_rank_fails, 2, timeout_s=60)

@@ -7,8 +7,11 @@ losses and the final parameters agree to fp32 rounding.
 
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -25,24 +28,27 @@ def losses(out) -> list[float]:
     return [r["loss"] for r in read_metrics(os.path.join(out, "metrics.jsonl")) if "loss" in r]
 
 
-def test_two_gloo_ranks_match_one_process(tmp_path):
+COMMON = [
+    "--seq-len",
+    "32",
+    "--accum-steps",
+    "2",
+    "--max-steps",
+    str(STEPS),
+    "--eval-every",
+    "0",
+    "--save-every",
+    "2",
+    "--json",
+]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """One torchrun of 2 gloo ranks (micro-batch 4, k 2), checkpoints at steps 2 and 4."""
+    tmp_path = tmp_path_factory.mktemp("ddp")
     data = tmp_path / "markov.npy"
     np.save(data, MarkovCorpus().generate(60_000, seed=3).astype(np.uint16))
-    common = [
-        "--data",
-        str(data),
-        "--seq-len",
-        "32",
-        "--accum-steps",
-        "2",
-        "--max-steps",
-        str(STEPS),
-        "--eval-every",
-        "0",
-        "--save-every",
-        "0",
-        "--json",
-    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     ddp_out = tmp_path / "ddp"
     proc = subprocess.run(
@@ -56,11 +62,13 @@ def test_two_gloo_ranks_match_one_process(tmp_path):
             "-m",
             "gradaccum",
             "train",
+            "--data",
+            str(data),
             "--micro-batch",
             "4",
             "--out",
             str(ddp_out),
-            *common,
+            *COMMON,
         ],
         capture_output=True,
         text=True,
@@ -68,7 +76,12 @@ def test_two_gloo_ranks_match_one_process(tmp_path):
         env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads(proc.stdout)  # only rank 0 prints
+    return data, ddp_out, json.loads(proc.stdout)  # only rank 0 prints
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_match_one_process(tmp_path, two_ranks):
+    data, ddp_out, summary = two_ranks
     assert summary["world_size"] == 2 and summary["tokens_per_step"] == 2 * 4 * 2 * 32
 
     one = train(
@@ -92,3 +105,101 @@ def test_two_gloo_ranks_match_one_process(tmp_path):
     # can move an update by a few percent of lr (3e-3), hence atol 1e-4 on the weights.
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_a_two_rank_run_resumes_on_one_process_with_the_same_losses(tmp_path, two_ranks, capsys):
+    """As if the 2-rank run had died after its step-2 checkpoint, continued on 1 process: the
+    same 512 tokens per step (micro-batch 4 x k 4 instead of 4 x k 2 x 2 ranks), the same
+    data position and optimizer state, so steps 3 and 4 match the 2-rank run's own."""
+    from gradaccum.cli import main
+
+    _, ddp_out, _ = two_ranks
+    reference = losses(ddp_out)
+    out = tmp_path / "died-after-step-2"
+    shutil.copytree(ddp_out, out)
+    shutil.rmtree(out / "checkpoints" / "step-00000004")
+    os.unlink(out / "model.pt")
+    capsys.readouterr()
+    assert main(["train", "--resume", "--out", str(out), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert "devices 2 -> 1 from step 2: micro-batch 4 x k 2 x 2 -> 4 x k 4 x 1" in captured.err
+    summary = json.loads(captured.out)
+    assert summary["world_size"] == 1 and summary["accum_steps"] == 4
+    assert summary["tokens_per_step"] == 512
+    resumed = losses(out)
+    assert len(resumed) == len(reference) == STEPS
+    assert resumed == pytest.approx(reference, rel=1e-5)
+
+
+def _local_rank_pids(parent: int) -> dict[int, int]:
+    """LOCAL_RANK -> pid of torchrun's worker processes (read from /proc)."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != parent:
+                continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = dict(x.split(b"=", 1) for x in f.read().split(b"\0") if b"=" in x)
+        except (OSError, ValueError):
+            continue
+        if b"LOCAL_RANK" in env:
+            found[int(env[b"LOCAL_RANK"])] = int(entry)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_a_rank_that_stops_answering_fails_the_other_within_the_timeout(tmp_path):
+    """Rank 1 frozen (SIGSTOP) mid-run: rank 0 leaves within --dist-timeout 10 s (not torch's
+    10 minutes) with one line saying another rank stopped answering."""
+    data = tmp_path / "markov.npy"
+    np.save(data, MarkovCorpus().generate(20_000, seed=3).astype(np.uint16))
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    argv += ["2", "-m", "gradaccum", "train", "--data", str(data), "--micro-batch", "2"]
+    argv += [*COMMON[:5], "100000", "--eval-every", "0", "--dist-timeout", "10"]
+    argv += ["--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    ranks = {}
+    try:
+        deadline = time.time() + 180
+        metrics = out / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 3):
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.2)
+        ranks = _local_rank_pids(proc.pid)
+        assert set(ranks) == {0, 1}
+        os.kill(ranks[1], signal.SIGSTOP)
+        frozen = time.time()
+        while _alive(ranks[0]) and time.time() - frozen < 120:
+            time.sleep(0.2)
+        waited = time.time() - frozen
+        _, stderr = proc.communicate(timeout=180)
+    finally:
+        for pid in ranks.values():
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.kill(pid, sig)
+                except OSError:
+                    pass
+        proc.kill()
+    assert waited < 10 + 30, waited  # the timeout, plus time for a loaded machine
+    lines = [x for x in stderr.splitlines() if x.startswith("gradaccum: error:")]
+    assert len(lines) == 1, stderr[-3000:]
+    assert "rank 0 of 2: another rank stopped answering" in lines[0]
+    assert "--dist-timeout 10 s" in lines[0]

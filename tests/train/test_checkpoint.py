@@ -98,6 +98,7 @@ KILLED_WRITER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_a_process_killed_mid_write_leaves_the_previous_checkpoint_loadable(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-c", KILLED_WRITER, str(tmp_path)], stdout=subprocess.PIPE, text=True

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
+from gradaccum.errors import BadInput
 from gradaccum.train.corpus import markov_entropy_rate, stationary_distribution
 from gradaccum.train.data import (
     Batches,
-    DataError,
     MarkovCorpus,
     TokenDataset,
     eval_batches,
@@ -172,21 +172,21 @@ def test_bad_files_name_the_flag(tmp_path, name, make, match):
     path = tmp_path / name
     if make:
         make(path)
-    with pytest.raises(DataError, match=rf"^--data {path}: .*{match}"):
+    with pytest.raises(BadInput, match=rf"^--data {path}: .*{match}"):
         load_tokens(str(path), seq_len=16)
 
 
 def test_ids_outside_the_model_vocabulary_are_refused(tmp_path):
     path = tmp_path / "t.bin"
     np.array([1, 2, 3, 500] * 50, np.uint16).tofile(path)
-    with pytest.raises(DataError, match=rf"^--data {path}: token id 500 .* vocabulary of 400"):
+    with pytest.raises(BadInput, match=rf"^--data {path}: token id 500 .* vocabulary of 400"):
         load_tokens(str(path), seq_len=8, vocab_size=400)
     load_tokens(str(path), seq_len=8, vocab_size=501)
 
 
 def test_hf_without_datasets_is_one_clear_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` fail
-    with pytest.raises(DataError, match=r"^--data hf:foo/bar:train: needs the datasets package"):
+    with pytest.raises(BadInput, match=r"^--data hf:foo/bar:train: needs the datasets package"):
         load_tokens("hf:foo/bar:train", seq_len=8)
 
 
@@ -281,11 +281,22 @@ def test_resume_at_a_position_yields_the_same_batches(p):
             assert torch.equal(got["labels"], want["labels"])
 
 
-def test_resume_refuses_a_different_layout():
+def test_resume_on_another_layout_continues_the_stream_or_names_the_numbers():
     ds = toy_dataset()
-    state = Batches(ds, 3, seed=4, world_size=2).state_dict()
-    with pytest.raises(ValueError, match="world_size was 2, now 1"):
-        Batches(ds, 3, seed=4).load_state_dict(state)
+    two_ranks = [Batches(ds, 3, seed=4, rank=r, world_size=2) for r in range(2)]
+    for b in two_ranks:
+        next(b), next(b)  # 2 micro-steps x 3 sequences x 2 ranks = 12 sequences read
+    one = Batches(ds, 2, seed=4)
+    one.load_state_dict(two_ranks[0].state_dict())
+    reference = Batches(ds, 12, seed=4)  # the stream, 12 sequences at a time
+    next(reference)
+    want = next(reference)["input_ids"]  # sequences 12..23 of the stream
+    got = torch.cat([next(one)["input_ids"] for _ in range(6)])
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="12 sequences read .* micro-steps of 5 sequences x 1"):
+        Batches(ds, 5, seed=4).load_state_dict(two_ranks[0].state_dict())
+    with pytest.raises(ValueError, match="seed was 4, now 5"):
+        Batches(ds, 3, seed=5).load_state_dict(two_ranks[0].state_dict())
 
 
 def test_fewer_sequences_than_one_micro_batch_still_read_whole_epochs():

@@ -116,6 +116,7 @@ def test_micro_batch_and_k_on_cpu(tokens, seq_len, micro, expected, tmp_path):
     assert r.total_steps == math.ceil(1_572_864 / r.tokens_per_step)  # the default budget
 
 
+@pytest.mark.slow
 def test_sigterm_saves_at_a_window_boundary_and_exits_0(tmp_path, markov_npy):
     out = tmp_path / "run"
     cmd = [

@@ -6,11 +6,11 @@ import math
 import pytest
 import torch
 
+from gradaccum.errors import BadInput
 from gradaccum.train.model import (
     GPT,
     PRESETS,
     GPTConfig,
-    ModelError,
     build_model,
     causal_lm_loss,
 )
@@ -144,22 +144,22 @@ def test_init_from_safetensors_and_a_compiled_prefix(tmp_path):
 
 
 def test_bad_model_inputs_name_the_flag(tmp_path):
-    with pytest.raises(ModelError, match=r"^--model huge: unknown preset"):
+    with pytest.raises(BadInput, match=r"^--model huge: unknown preset"):
         build_model(preset="huge", vocab_size=10, seq_len=8)
-    with pytest.raises(ModelError, match=r"^--init-from .*: no such folder"):
+    with pytest.raises(BadInput, match=r"^--init-from .*: no such folder"):
         build_model(init_from=str(tmp_path / "nope"))
     (tmp_path / "config.json").write_text(
         json.dumps(dict(vocab_size=10, seq_len=8, n_layer=1, n_head=1, n_embd=8))
     )
-    with pytest.raises(ModelError, match=r"^--init-from .*neither model.safetensors nor model.pt"):
+    with pytest.raises(BadInput, match=r"^--init-from .*neither model.safetensors nor model.pt"):
         build_model(init_from=str(tmp_path))
     torch.save(
         small_gpt(vocab_size=10, seq_len=8, n_layer=1, n_head=1, n_embd=8).state_dict(),
         tmp_path / "model.pt",
     )
-    with pytest.raises(ModelError, match=r"^--init-from .*257 token ids.*holds 10"):
+    with pytest.raises(BadInput, match=r"^--init-from .*257 token ids.*holds 10"):
         build_model(init_from=str(tmp_path), vocab_size=257)
-    with pytest.raises(ModelError, match=r"^--model-config .*: no such file"):
+    with pytest.raises(BadInput, match=r"^--model-config .*: no such file"):
         build_model(config_path=str(tmp_path / "missing.json"))
 
 
@@ -212,5 +212,65 @@ def test_hf_config_builds_a_random_causal_lm(tmp_path, arch):
     assert int(n) == 58
     # random init: the mean loss sits near ln(vocab)
     assert math.isfinite(loss_sum.item()) and abs(loss_sum.item() / 58 - math.log(300)) < 0.5
-    with pytest.raises(ModelError, match="positions"):
+    with pytest.raises(BadInput, match="positions"):
         build_model(config_path=str(tmp_path), seq_len=64)
+
+
+def _bert(tmp_path, **kw):
+    transformers = pytest.importorskip("transformers")
+    transformers.BertConfig(
+        vocab_size=300,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        **kw,
+    ).save_pretrained(tmp_path)
+    return str(tmp_path / "config.json")
+
+
+def test_an_encoder_config_is_refused_naming_its_architecture(tmp_path):
+    # BERT builds as BertLMHeadModel, whose attention is bidirectional: trained as a causal LM
+    # it would read the token it predicts (issue 10 item 1). Refused, naming what it builds.
+    path = _bert(tmp_path)
+    with pytest.raises(BadInput) as err:
+        build_model(config_path=path, vocab_size=257, seq_len=32)
+    line = str(err.value)
+    assert line.startswith(f"--model-config {path}: model_type bert builds BertLMHeadModel")
+    assert "\n" not in line
+
+
+def test_the_same_encoder_as_a_decoder_is_causal_and_accepted(tmp_path):
+    model, info = build_model(
+        config_path=_bert(tmp_path, is_decoder=True), vocab_size=257, seq_len=32
+    )
+    assert info.kind == "hf"
+
+
+@pytest.mark.parametrize("model_type", ["vit", "no-such-architecture"])
+def test_a_model_type_that_is_no_causal_lm_is_one_short_line(tmp_path, model_type):
+    pytest.importorskip("transformers")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    with pytest.raises(BadInput) as err:
+        build_model(config_path=str(tmp_path / "config.json"), vocab_size=257, seq_len=32)
+    line = str(err.value)
+    assert line.startswith(f"--model-config {tmp_path / 'config.json'}: ")
+    assert "\n" not in line and len(line) < 400, line  # not every model type transformers knows
+
+
+@pytest.mark.parametrize(
+    "damage, needle",
+    [
+        ("model.pt", "model.pt is not a readable state_dict"),
+        ("config.json", "config.json is not readable JSON"),
+    ],
+)
+def test_init_from_a_damaged_folder_is_one_line(tmp_path, damage, needle):
+    model, info = build_model(preset="tiny", vocab_size=64, seq_len=16)
+    (tmp_path / "config.json").write_text(json.dumps(info.config))
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+    (tmp_path / damage).write_bytes(bytes(range(256)) * 8)  # random-looking bytes
+    with pytest.raises(BadInput) as err:
+        build_model(init_from=str(tmp_path), vocab_size=64, seq_len=16)
+    assert str(err.value).startswith(f"--init-from {tmp_path}: {needle}")

@@ -7,15 +7,16 @@ import os
 import re
 import sys
 
-from .common import ArgumentParser, UsageError
+from ..errors import BadInput, RanksLost
+from .common import ArgumentParser
 
 # name -> module under gradaccum.cli that defines add_parser(subparsers) and run(args) -> int
 COMMANDS = {
     "plan": "plan",
     "train": "train",
-    "fit": "pending",
-    "verify": "pending",
-    "bench": "pending",
+    "fit": "fit",
+    "verify": "verify",
+    "bench": "bench",
 }
 
 
@@ -55,10 +56,13 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_help()
             return 2
         return int(args.run(args) or 0)
-    except UsageError as err:
+    except BadInput as err:
         if os.environ.get("RANK", "0") == "0":  # under torchrun, say it once
-            print(f"gradaccum: error: {err}", file=sys.stderr)
+            print(f"{getattr(err, 'prog', 'gradaccum')}: error: {err}", file=sys.stderr)
         return 2
+    except RanksLost as err:
+        print(f"gradaccum: error: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("gradaccum: interrupted", file=sys.stderr)
         return 130

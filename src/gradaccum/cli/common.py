@@ -7,21 +7,16 @@ import json
 import math
 import sys
 
-
-class UsageError(Exception):
-    """Bad input from the user: printed as one line, exit code 2, no traceback."""
+from ..errors import BadInput
 
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse that reports bad flags as one line with exit code 2 (argparse's own code)."""
 
     def error(self, message: str):  # noqa: D401 - argparse API
-        raise UsageError(f"{self.prog}: {message}")
-
-
-def bad(flag: str, value, why: str) -> UsageError:
-    """A UsageError that names the flag and the value: `--micro-batch 0: must be at least 1`."""
-    return UsageError(f"{flag} {value}: {why}")
+        err = BadInput(message)
+        err.prog = self.prog  # "gradaccum train": the line starts with the command that failed
+        raise err
 
 
 def print_json(obj) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .common import UsageError
+from ..errors import BadInput
 
 _WHAT = {
     "plan": "plan a run",
@@ -22,4 +22,4 @@ def add_parser(sub, name: str) -> None:
 
 
 def _not_yet(name: str) -> int:
-    raise UsageError(f"'gradaccum {name}' is not available in this version yet")
+    raise BadInput(f"'gradaccum {name}' is not available in this version yet")

@@ -8,16 +8,17 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..plan import LR_RULES, PlanError, PlanInputs, flag, make_plan, render_table
+from ..errors import flag_name
+from ..plan import LR_RULES, PlanInputs, make_plan, render_table
 from ..plan.memory import CHECKPOINTING, OPTIMIZERS, PRECISIONS
 from ..plan.presets import PRESETS
-from ..plan.sizes import SizeError, parse_bytes, parse_count, parse_float, parse_seconds
-from .common import UsageError, print_json
+from ..plan.sizes import parse_bytes, parse_count, parse_float, parse_seconds
+from .common import print_json
 
 # flag name (dest) -> parser of its text; choices and switches are handled by argparse.
 _COUNTS = (
     "target_tokens target_sequences accum_steps seq_len micro_batch micro_tokens gpus steps "
-    "total_tokens params layers hidden heads vocab base_batch_tokens"
+    "total_tokens params layers hidden heads vocab base_batch_tokens trainable_params lora_rank"
 )
 _PARSERS = {name: parse_count for name in _COUNTS.split()}
 _PARSERS.update(
@@ -34,6 +35,22 @@ times 300ms, 1.5s, 2min. Examples:
   gradaccum plan --target-tokens 1M --seq-len 4096 --micro-batch 4 --gpus 8
   gradaccum plan --model llama2-7b --target-tokens 4Mi --seq-len 4096 --gpus 8 --zero 3 \\
       --flash-attention --device-memory 80GB --total-tokens 1T --peak-tflops 989 --mfu 0.4
+  gradaccum plan --model llama2-7b --lora-rank 16 --device-memory 24GB --seq-len 2048 \\
+      --micro-batch 1 --checkpointing full --target-tokens 32k
+
+memory per device assumes (bytes; `gradaccum fit` measures the same terms):
+  parameters: 2 each in bf16/fp16, 4 in fp32; ZeRO-3 gathers one block at a time.
+  gradients: fp32 .grad, or 16-bit ones the engine adds into an fp32 buffer at once (4 per
+    trained parameter), plus the largest tensor's fresh gradient while it accumulates, plus
+    DDP's buckets; AdamW 8 per trained parameter (SGD 4), plus 4 for fp32 master weights in
+    bf16/fp16. --trainable-params or --lora-rank: these terms for the trainable part only.
+  activations per block (Korthikanti et al. 2022): 34 s b h + 5 a s^2 b at 16 bits, 66 and 9
+    in fp32, dropout masks included; no s^2 term with --flash-attention; the MLP's activation
+    one fused kernel (Hugging Face GPT-2's element-wise gelu_new keeps 3 more tensors of the
+    MLP's width); logits in fp32, 4 s b V; --checkpointing full keeps each block's input and
+    recomputes one block in backward.
+  not counted: the CUDA context and library workspaces, allocator fragmentation, and copies a
+    framework adds of its own (leave a few GB).
 """
 
 
@@ -88,6 +105,17 @@ def add_parser(sub, name: str) -> None:
         " default: once per window",
     )
     memory.add_argument("--device-memory", metavar="SIZE", help="80GB, 64GiB; bare number: GB")
+    memory.add_argument(
+        "--trainable-params",
+        metavar="N",
+        help="parameters that train, the rest frozen (40M): gradients, fp32 buffer and "
+        "optimizer state for these only",
+    )
+    memory.add_argument(
+        "--lora-rank",
+        metavar="R",
+        help="LoRA at rank R on every linear layer of every block (needs a model shape)",
+    )
     lr = p.add_argument_group("learning rate")
     lr.add_argument("--base-lr", metavar="X", help="LR tuned at --base-batch-tokens")
     lr.add_argument("--base-batch-tokens", metavar="N", help="global batch of --base-lr, tokens")
@@ -97,11 +125,11 @@ def add_parser(sub, name: str) -> None:
 
 
 def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
-    """PlanInputs from parsed flags; raises SizeError or PlanError naming the flag and value."""
+    """PlanInputs from parsed flags; raises BadInput naming the flag and value."""
     values = {}
     for name, parse in _PARSERS.items():
         text = getattr(args, name)
-        values[name] = None if text is None else parse(text, flag(name))
+        values[name] = None if text is None else parse(text, flag_name(name))
     return PlanInputs(
         **values,
         model=args.model,
@@ -116,10 +144,7 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        plan = make_plan(inputs_from_args(args))
-    except (SizeError, PlanError) as err:
-        raise UsageError(str(err)) from None
+    plan = make_plan(inputs_from_args(args))
     if args.json:
         print_json(plan.to_dict())
     else:

@@ -8,17 +8,19 @@ no torch: `import gradaccum.plan` leaves torch unimported.
 - `table`: the plan as a table for people.
 """
 
+from ..errors import BadInput
 from .batch import (
     LR_RULES,
     MemoryReport,
     Plan,
-    PlanError,
     PlanInputs,
     accum_steps_for,
-    flag,
     make_plan,
     render_table,
 )
+
+PlanError = BadInput
+"""The planner's name for the one bad-input type (gradaccum.errors.BadInput)."""
 
 __all__ = [
     "LR_RULES",
@@ -27,7 +29,6 @@ __all__ = [
     "PlanError",
     "PlanInputs",
     "accum_steps_for",
-    "flag",
     "make_plan",
     "render_table",
 ]

@@ -18,9 +18,10 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from ..errors import BadInput
 from . import memory as mem
 from .communication import Communication, traffic
-from .inputs import LR_RULES, PlanError, PlanInputs, flag, show_value
+from .inputs import LR_RULES, PlanInputs, show_value
 from .presets import ModelShape, custom, preset
 from .sizes import fmt_bytes, fmt_int
 
@@ -94,6 +95,8 @@ class Plan:
     model: str | None
     params: int | None
     """Parameter count."""
+    trainable_params: int | None
+    """Parameters that train, when not all do (--trainable-params, or LoRA adapters)."""
     precision: str
     optimizer: str
     zero: int
@@ -151,6 +154,31 @@ def _model(i: PlanInputs) -> tuple[ModelShape | None, int | None]:
     return None, i.params
 
 
+def _trainable(i: PlanInputs, shape: ModelShape | None, params: int | None):
+    """(parameters that train or None for all, parameters held in memory). LoRA adds its
+    adapters to the model; --trainable-params names a part of it."""
+    if i.lora_rank is not None:
+        adapters = mem.lora_params(shape, i.lora_rank)
+        return adapters, None if params is None else params + adapters
+    if i.trainable_params is not None and params is not None and i.trainable_params > params:
+        raise BadInput(
+            "--trainable-params",
+            show_value(i.trainable_params),
+            f"more than the model's {fmt_int(params)} parameters",
+        )
+    return i.trainable_params, params
+
+
+def _trainable_note(i: PlanInputs, trainable: int) -> str:
+    what = f"{fmt_int(trainable)} trainable parameters"
+    if i.lora_rank is not None:
+        what += f" (LoRA rank {i.lora_rank} on every linear layer of every block, added)"
+    return (
+        f"gradients, the fp32 buffer and optimizer state for {what}; the frozen weights are "
+        "held in the parameter dtype, and activations cover the whole model"
+    )
+
+
 def _micro_and_target(i: PlanInputs) -> _Batch:
     """The micro-batch in sequences and tokens, and the target with its unit."""
     batch, seq_len = _Batch(micro_batch=i.micro_batch, micro_tokens=i.micro_tokens), i.seq_len
@@ -161,7 +189,7 @@ def _micro_and_target(i: PlanInputs) -> _Batch:
         batch.micro_from = "--micro-tokens"
         if seq_len:
             if i.micro_tokens % seq_len:
-                raise PlanError(
+                raise BadInput(
                     f"--micro-tokens {show_value(i.micro_tokens)}: not a whole number of sequences "
                     f"of --seq-len {seq_len}"
                 )
@@ -180,7 +208,7 @@ def _pick_micro_batch(batch: _Batch, seq_len: int, world: int, fit_cap: int) -> 
     """The micro-batch <= fit_cap whose global batch lands closest to the target; the larger
     one on a tie (fewer micro-steps). Scans down from the top and stops at an exact landing."""
     if batch.unit == "tokens" and batch.target < seq_len:
-        raise PlanError(
+        raise BadInput(
             f"{batch.target_flag} {show_value(batch.target)}: below one sequence of --seq-len {seq_len}"
         )
     whole = batch.target_seq if batch.target_seq is not None else batch.target // seq_len
@@ -213,7 +241,7 @@ def _accum_steps(batch: _Batch, i: PlanInputs, world: int) -> None:
     if micro is None:
         if batch.micro_from is not None:  # given, but in the other unit and no --seq-len
             other = "tokens" if batch.unit == "tokens" else "sequences"
-            raise PlanError(
+            raise BadInput(
                 f"{batch.target_flag} {show_value(batch.target)}: needs --seq-len to turn "
                 f"{batch.micro_from} into {other}"
             )
@@ -223,7 +251,7 @@ def _accum_steps(batch: _Batch, i: PlanInputs, world: int) -> None:
         at = ""
         if batch.micro_from == "--micro-batch" and batch.unit == "tokens":
             at = f" ({fmt_int(micro)} tokens at --seq-len {i.seq_len})"
-        raise PlanError(
+        raise BadInput(
             f"{batch.micro_from} {show_value(given)}: above the target of "
             f"{fmt_int(batch.target)} {batch.unit}{at}"
         )
@@ -235,35 +263,15 @@ def _gb(n_bytes: int | None) -> float | None:
 
 
 def make_plan(i: PlanInputs) -> Plan:
-    """Resolve every number the inputs determine. Raises PlanError for inputs that make none."""
+    """Resolve every number the inputs determine. Raises BadInput for inputs that make none."""
     world = i.gpus or 1
-    setup = mem.MemorySetup(
-        precision=i.precision or "bf16",
-        optimizer=i.optimizer or "adamw",
-        zero=i.zero or 0,
-        world_size=world,
-        checkpointing=i.checkpointing or "none",
-        flash_attention=bool(i.flash_attention),
-        sync_every_micro_batch=bool(i.sync_every_micro_batch),
-    )
     shape, params = _model(i)
+    trainable, held = _trainable(i, shape, params)
+    setup = _memory_setup(i, world, trainable)
     seq_len = i.seq_len
     warnings: list[str] = []
     notes: list[str] = []
-
-    # The micro-batch: given, or the best that fits the device when there is a target.
-    batch = _micro_and_target(i)
-    fit_cap = None
-    if shape is not None and seq_len and i.device_memory:
-        fit_cap = mem.max_micro_batch(params, shape, setup, seq_len, i.device_memory)
-    if batch.micro_from is None and batch.target is not None and fit_cap:
-        batch.micro_batch = _pick_micro_batch(batch, seq_len, world, fit_cap)
-        batch.micro_tokens = batch.micro_batch * seq_len
-        batch.micro_from = "largest that fits --device-memory"
-        notes.append(
-            f"micro-batch {batch.micro_batch}: of the micro-batches that fit --device-memory "
-            f"(at most {fit_cap}), the largest that lands closest to the target"
-        )
+    batch, fit_cap = _choose_micro_batch(i, shape, held, setup, world, notes)
     micro_batch, micro_tokens = batch.micro_batch, batch.micro_tokens
 
     # k, and the global batch it gives: micro x k x world, exactly.
@@ -277,31 +285,113 @@ def make_plan(i: PlanInputs) -> Plan:
         deviation = (landed - batch.target) / batch.target
         if abs(deviation) > 0.01:
             warnings.append(_deviation_warning(batch, landed, world, fit_cap))
-
     if k is None:
         notes.append(
             "k needs a global batch (--target-tokens or --target-sequences) and a micro-batch "
             "(--micro-batch, --micro-tokens, or --device-memory with a model), or --accum-steps"
         )
+    memory = _memory_report(i, shape, params, held, setup, batch, fit_cap, global_seq, warnings)
+    _memory_notes(i, shape, params, trainable, setup, world, micro_batch, warnings, notes)
+    steps, total_tokens = _length(i, global_tok)
+    timing = _timing(i, params, global_tok, total_tokens, k, steps, world, notes)
+    lr, lr_scale, lr_rule = _learning_rate(i, global_tok, setup, notes)
+    target_tokens = i.target_tokens
+    if target_tokens is None and i.target_sequences and seq_len:
+        target_tokens = i.target_sequences * seq_len
+    return Plan(
+        world_size=world,
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        micro_tokens=micro_tokens,
+        accum_steps=k,
+        global_batch_sequences=global_seq,
+        global_batch_tokens=global_tok,
+        target_tokens=target_tokens,
+        target_sequences=batch.target_seq,
+        target_deviation=deviation,
+        steps=steps,
+        total_tokens=total_tokens,
+        total_tokens_requested=i.total_tokens,
+        micro_step_time_s=i.micro_step_time,
+        **timing,
+        lr=lr,
+        lr_rule=lr_rule,
+        lr_scale=lr_scale,
+        model=shape.name if shape else None,
+        params=params,
+        trainable_params=trainable,
+        precision=setup.precision,
+        optimizer=setup.optimizer,
+        zero=setup.zero,
+        checkpointing=setup.checkpointing,
+        flash_attention=setup.flash_attention,
+        memory=memory,
+        communication=traffic(params, setup, k),
+        micro_batch_from=batch.micro_from,
+        accum_steps_from=batch.k_from,
+        warnings=warnings,
+        notes=notes,
+    )
 
-    # Memory per device.
+
+def _memory_setup(i: PlanInputs, world: int, trainable: int | None) -> mem.MemorySetup:
+    return mem.MemorySetup(
+        precision=i.precision or "bf16",
+        optimizer=i.optimizer or "adamw",
+        zero=i.zero or 0,
+        world_size=world,
+        checkpointing=i.checkpointing or "none",
+        flash_attention=bool(i.flash_attention),
+        sync_every_micro_batch=bool(i.sync_every_micro_batch),
+        trainable_params=trainable,
+    )
+
+
+def _choose_micro_batch(i: PlanInputs, shape, held, setup, world: int, notes: list[str]):
+    """The micro-batch: given, or the best that fits the device when there is a target.
+    Returns the batch and the largest micro-batch that fits (None when not known)."""
+    batch = _micro_and_target(i)
+    seq_len = i.seq_len
+    fit_cap = None
+    if shape is not None and seq_len and i.device_memory:
+        fit_cap = mem.max_micro_batch(held, shape, setup, seq_len, i.device_memory)
+    if batch.micro_from is None and batch.target is not None and fit_cap:
+        batch.micro_batch = _pick_micro_batch(batch, seq_len, world, fit_cap)
+        batch.micro_tokens = batch.micro_batch * seq_len
+        batch.micro_from = "largest that fits --device-memory"
+        notes.append(
+            f"micro-batch {batch.micro_batch}: of the micro-batches that fit --device-memory "
+            f"(at most {fit_cap}), the largest that lands closest to the target"
+        )
+    return batch, fit_cap
+
+
+def _memory_report(i, shape, params, held, setup, batch, fit_cap, global_seq, warnings):
+    """Memory per device, term by term, and whether it fits --device-memory."""
     memory = MemoryReport(device_memory_gb=_gb(i.device_memory), max_micro_batch=fit_cap)
-    if params is not None:
-        est = mem.estimate(params, shape, setup, micro_batch, seq_len)
-        memory.params_gb, memory.grads_gb = _gb(est.params), _gb(est.grads)
-        memory.accum_buffer_gb, memory.optimizer_gb = _gb(est.accum_buffer), _gb(est.optimizer)
-        memory.activations_gb, memory.logits_gb = _gb(est.activations), _gb(est.logits)
-        memory.total_gb = _gb(est.total)
-        if i.device_memory and est.total is not None:
-            memory.fits = est.total <= i.device_memory
-        if i.device_memory and (fit_cap == 0 or memory.fits is not None):
-            per_seq = mem.activation_bytes(shape, 1, seq_len, setup)[0] if fit_cap == 0 else None
-            warnings += _fit_warnings(
-                est, i.device_memory, batch, fit_cap, world, global_seq, per_seq, setup
-            )
+    if params is None:
+        return memory
+    est = mem.estimate(held, shape, setup, batch.micro_batch, i.seq_len)
+    memory.params_gb, memory.grads_gb = _gb(est.params), _gb(est.grads)
+    memory.accum_buffer_gb, memory.optimizer_gb = _gb(est.accum_buffer), _gb(est.optimizer)
+    memory.activations_gb, memory.logits_gb = _gb(est.activations), _gb(est.logits)
+    memory.total_gb = _gb(est.total)
+    if i.device_memory and est.total is not None:
+        memory.fits = est.total <= i.device_memory
+    if i.device_memory and (fit_cap == 0 or memory.fits is not None):
+        per_seq = mem.activation_bytes(shape, 1, i.seq_len, setup)[0] if fit_cap == 0 else None
+        warnings += _fit_warnings(
+            est, i.device_memory, batch, fit_cap, setup.world_size, global_seq, per_seq, setup
+        )
+    return memory
+
+
+def _memory_notes(i, shape, params, trainable, setup, world, micro_batch, warnings, notes):
+    if trainable is not None:
+        notes.append(_trainable_note(i, trainable))
     if params is not None and shape is None:
         notes.append("gradients and activations need a model shape (--model, or --layers ...)")
-    elif params is not None and (micro_batch is None or seq_len is None):
+    elif params is not None and (micro_batch is None or i.seq_len is None):
         notes.append("activations need a micro-batch and --seq-len")
     if setup.zero >= 2 and world > 1 and not setup.sync_every_micro_batch and params:
         whole = mem.unsharded_grad_bytes(params)
@@ -314,7 +404,9 @@ def make_plan(i: PlanInputs) -> Plan:
     if setup.zero and world == 1:
         warnings.append(f"--zero {setup.zero} shards nothing on one device (--gpus 1)")
 
-    # Steps and tokens: --total-tokens rounds the steps up, so the run reaches it.
+
+def _length(i: PlanInputs, global_tok: int | None) -> tuple[int | None, int | None]:
+    """Steps and tokens: --total-tokens rounds the steps up, so the run reaches it."""
     steps, total_tokens, requested = i.steps, None, i.total_tokens
     if steps is not None and global_tok is not None:
         total_tokens = steps * global_tok
@@ -324,8 +416,11 @@ def make_plan(i: PlanInputs) -> Plan:
             total_tokens = steps * global_tok
         else:
             total_tokens = requested
+    return steps, total_tokens
 
-    # FLOPs and time: a measured micro-step time wins over peak x MFU.
+
+def _timing(i, params, global_tok, total_tokens, k, steps, world, notes) -> dict:
+    """FLOPs and time: a measured micro-step time wins over peak x MFU."""
     flops_step = 6 * params * global_tok if params and global_tok else None
     flops_total = 6 * params * total_tokens if params and total_tokens else None
     step_time = total_s = mfu_implied = time_from = None
@@ -348,58 +443,26 @@ def make_plan(i: PlanInputs) -> Plan:
     if step_time is not None and steps is not None:
         total_s = steps * step_time
     total_h = None if total_s is None else total_s / 3600
+    return {
+        "step_time_s": step_time,
+        "total_time_h": total_h,
+        "device_hours": None if total_h is None else total_h * world,
+        "flops_per_step": flops_step,
+        "flops_total": flops_total,
+        "mfu_implied": mfu_implied,
+        "time_from": time_from,
+    }
 
-    # Learning rate for the new global batch.
-    lr = lr_scale = lr_rule = None
-    if i.base_lr is not None and global_tok is not None:
-        lr_rule = i.lr_rule or ("sqrt" if setup.optimizer == "adamw" else "linear")
-        if i.lr_rule is None:
-            notes.append(f"LR rule {lr_rule}: the default for {setup.optimizer} (--lr-rule)")
-        lr_scale = global_tok / i.base_batch_tokens
-        lr = i.base_lr * (lr_scale if lr_rule == "linear" else math.sqrt(lr_scale))
 
-    target_tokens = i.target_tokens
-    if target_tokens is None and i.target_sequences and seq_len:
-        target_tokens = i.target_sequences * seq_len
-    return Plan(
-        world_size=world,
-        micro_batch=micro_batch,
-        seq_len=seq_len,
-        micro_tokens=micro_tokens,
-        accum_steps=k,
-        global_batch_sequences=global_seq,
-        global_batch_tokens=global_tok,
-        target_tokens=target_tokens,
-        target_sequences=batch.target_seq,
-        target_deviation=deviation,
-        steps=steps,
-        total_tokens=total_tokens,
-        total_tokens_requested=requested,
-        micro_step_time_s=i.micro_step_time,
-        step_time_s=step_time,
-        total_time_h=total_h,
-        device_hours=None if total_h is None else total_h * world,
-        flops_per_step=flops_step,
-        flops_total=flops_total,
-        mfu_implied=mfu_implied,
-        lr=lr,
-        lr_rule=lr_rule,
-        lr_scale=lr_scale,
-        model=shape.name if shape else None,
-        params=params,
-        precision=setup.precision,
-        optimizer=setup.optimizer,
-        zero=setup.zero,
-        checkpointing=setup.checkpointing,
-        flash_attention=setup.flash_attention,
-        memory=memory,
-        communication=traffic(params, setup, k),
-        micro_batch_from=batch.micro_from,
-        accum_steps_from=batch.k_from,
-        time_from=time_from,
-        warnings=warnings,
-        notes=notes,
-    )
+def _learning_rate(i: PlanInputs, global_tok, setup, notes: list[str]):
+    """LR for the new global batch: (lr, scale, rule), all None without --base-lr."""
+    if i.base_lr is None or global_tok is None:
+        return None, None, None
+    rule = i.lr_rule or ("sqrt" if setup.optimizer == "adamw" else "linear")
+    if i.lr_rule is None:
+        notes.append(f"LR rule {rule}: the default for {setup.optimizer} (--lr-rule)")
+    scale = global_tok / i.base_batch_tokens
+    return i.base_lr * (scale if rule == "linear" else math.sqrt(scale)), scale, rule
 
 
 def _deviation_warning(batch: _Batch, landed: int, world: int, fit_cap: int | None) -> str:
@@ -470,10 +533,8 @@ __all__ = [
     "LR_RULES",
     "MemoryReport",
     "Plan",
-    "PlanError",
     "PlanInputs",
     "accum_steps_for",
-    "flag",
     "make_plan",
     "render_table",
 ]

@@ -1,4 +1,4 @@
-"""What the user asked of a plan, checked: one PlanError naming the flag and value if not.
+"""What the user asked of a plan, checked: one BadInput naming the flag and value if not.
 
 Field names are the flag names (micro_batch is --micro-batch), so messages name the flag.
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..errors import BadInput, flag_name
 from .memory import CHECKPOINTING, OPTIMIZERS, PRECISIONS
 from .presets import preset
 from .sizes import fmt_count_exact
@@ -15,17 +16,9 @@ from .sizes import fmt_count_exact
 LR_RULES = ("linear", "sqrt")
 _COUNTS = (
     "target_tokens target_sequences accum_steps seq_len micro_batch micro_tokens gpus steps "
-    "total_tokens params layers hidden heads vocab device_memory base_batch_tokens"
+    "total_tokens params layers hidden heads vocab device_memory base_batch_tokens "
+    "trainable_params lora_rank"
 ).split()
-
-
-class PlanError(ValueError):
-    """Inputs that make no plan; the message names the flag and the value."""
-
-
-def flag(name: str) -> str:
-    """The command-line flag of a PlanInputs field: micro_batch -> --micro-batch."""
-    return "--" + name.replace("_", "-")
 
 
 def show_value(value) -> str:
@@ -88,6 +81,12 @@ class PlanInputs:
     per window."""
     device_memory: int | None = None
     """Bytes of memory on one device."""
+    trainable_params: int | None = None
+    """Parameters that train (the rest frozen): gradients, fp32 buffer and optimizer state
+    for these only; activations for the whole model."""
+    lora_rank: int | None = None
+    """LoRA rank on every linear layer of every block: the adapters, counted from the model's
+    shape, are the trainable parameters."""
     base_lr: float | None = None
     """Learning rate tuned at --base-batch-tokens."""
     base_batch_tokens: int | None = None
@@ -99,13 +98,13 @@ class PlanInputs:
         for name in _COUNTS:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
-                raise PlanError(f"{flag(name)} {value}: must be a whole number, at least 1")
+                raise BadInput(f"{flag_name(name)} {value}: must be a whole number, at least 1")
         for name in ("micro_step_time", "peak_tflops", "mfu", "base_lr"):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 0):
-                raise PlanError(f"{flag(name)} {value}: must be greater than zero")
+                raise BadInput(f"{flag_name(name)} {value}: must be greater than zero")
         if self.mfu is not None and self.mfu > 1:
-            raise PlanError(f"--mfu {self.mfu}: must be a fraction in (0, 1], e.g. 0.4 or 40%")
+            raise BadInput(f"--mfu {self.mfu}: must be a fraction in (0, 1], e.g. 0.4 or 40%")
         for name, choices in (
             ("precision", PRECISIONS),
             ("optimizer", OPTIMIZERS),
@@ -115,7 +114,7 @@ class PlanInputs:
         ):
             value = getattr(self, name)
             if value is not None and value not in choices:
-                raise PlanError(f"{flag(name)} {value}: expected one of {choices}")
+                raise BadInput(f"{flag_name(name)} {value}: expected one of {choices}")
         self._check_conflicts()
         self._check_companions()
 
@@ -131,28 +130,33 @@ class PlanInputs:
             ("accum_steps", "target_sequences"),
             ("steps", "total_tokens"),
             ("params", "model"),
+            ("trainable_params", "lora_rank"),
         ]
         # --params with a shape is allowed: the shape sizes activations, --params counts
         # what the shape formula leaves out (biases, learned positions, untied heads).
         pairs += [("model", b) for b in shape]
         for a, b in pairs:
             if getattr(self, a) is not None and getattr(self, b) is not None:
-                raise PlanError(
-                    f"{flag(a)} {show_value(getattr(self, a))} conflicts with "
-                    f"{flag(b)} {show_value(getattr(self, b))}: give one of them"
+                raise BadInput(
+                    f"{flag_name(a)} {show_value(getattr(self, a))} conflicts with "
+                    f"{flag_name(b)} {show_value(getattr(self, b))}: give one of them"
                 )
 
     def _check_companions(self) -> None:
         shape = ("layers", "hidden", "heads", "vocab")
         given = self._given(*shape)
         if given and len(given) < len(shape):
-            missing = ", ".join(flag(n) for n in shape if n not in given)
+            missing = ", ".join(flag_name(n) for n in shape if n not in given)
             first = given[0]
-            raise PlanError(
-                f"{flag(first)} {getattr(self, first)}: a model shape also needs {missing}"
+            raise BadInput(
+                f"{flag_name(first)} {getattr(self, first)}: a model shape also needs {missing}"
             )
         if given and self.hidden % self.heads:
-            raise PlanError(f"--hidden {self.hidden}: not divisible by --heads {self.heads}")
+            raise BadInput(f"--hidden {self.hidden}: not divisible by --heads {self.heads}")
+        if self.lora_rank is not None and self.model is None and not given:
+            raise BadInput(
+                "--lora-rank", self.lora_rank, "needs the model's shape (--model, or --layers ...)"
+            )
         needs = [
             ("mfu", "peak_tflops"),
             ("base_lr", "base_batch_tokens"),
@@ -160,17 +164,17 @@ class PlanInputs:
             ("lr_rule", "base_lr"),
         ]
         if self.peak_tflops is not None and self.mfu is None and self.micro_step_time is None:
-            raise PlanError(
+            raise BadInput(
                 f"--peak-tflops {self.peak_tflops:g}: needs --mfu (or --micro-step-time, "
                 "to measure the MFU)"
             )
         for name, other in needs:
             if getattr(self, name) is not None and getattr(self, other) is None:
-                raise PlanError(
-                    f"{flag(name)} {show_value(getattr(self, name))}: needs {flag(other)}"
+                raise BadInput(
+                    f"{flag_name(name)} {show_value(getattr(self, name))}: needs {flag_name(other)}"
                 )
         if self.model is not None:
             try:
                 preset(self.model)
             except KeyError as err:
-                raise PlanError(f"--model {self.model}: {err.args[0]}") from None
+                raise BadInput(f"--model {self.model}: {err.args[0]}") from None

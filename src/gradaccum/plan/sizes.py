@@ -13,6 +13,8 @@ from __future__ import annotations
 import re
 from decimal import Decimal, InvalidOperation
 
+from ..errors import BadInput
+
 _NUMBER = re.compile(r"^([+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)\s*([A-Za-z%]*)$")
 
 _DECIMAL = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
@@ -31,19 +33,15 @@ _SECONDS = {
 }
 
 
-class SizeError(ValueError):
-    """A size that cannot be read; the message names the flag and the value."""
-
-
 def _split(text: str, flag: str) -> tuple[Decimal, str]:
     cleaned = str(text).strip().replace("_", "").replace(",", "")
     match = _NUMBER.match(cleaned)
     if match is None:
-        raise SizeError(f"{flag} {text}: not a number or size (examples: 4M, 262k, 7B, 1e6)")
+        raise BadInput(f"{flag} {text}: not a number or size (examples: 4M, 262k, 7B, 1e6)")
     try:
         number = Decimal(match.group(1))
     except InvalidOperation as err:  # the pattern admits only valid decimals; kept for safety
-        raise SizeError(f"{flag} {text}: not a number") from err
+        raise BadInput(f"{flag} {text}: not a number") from err
     return number, match.group(2)
 
 
@@ -54,16 +52,16 @@ would overflow float arithmetic further on."""
 
 def _check_sign(value, text: str, flag: str, allow_zero: bool) -> None:
     if value > LARGEST:
-        raise SizeError(f"{flag} {text}: too large (at most 1e18)")
+        raise BadInput(f"{flag} {text}: too large (at most 1e18)")
     if value < 0:
-        raise SizeError(f"{flag} {text}: must not be negative")
+        raise BadInput(f"{flag} {text}: must not be negative")
     if value == 0 and not allow_zero:
-        raise SizeError(f"{flag} {text}: must be greater than zero")
+        raise BadInput(f"{flag} {text}: must be greater than zero")
 
 
 def _whole(value: Decimal, text: str, flag: str, what: str) -> int:
     if value != value.to_integral_value():
-        raise SizeError(f"{flag} {text}: not a whole number" + (f" of {what}" if what else ""))
+        raise BadInput(f"{flag} {text}: not a whole number" + (f" of {what}" if what else ""))
     return int(value)
 
 
@@ -76,7 +74,7 @@ def parse_count(text: str, flag: str, *, allow_zero: bool = False) -> int:
     elif key in _DECIMAL:
         scale = _DECIMAL[key]
     else:
-        raise SizeError(f"{flag} {text}: unknown suffix {unit!r} (use k, M, B, T or Ki, Mi, Gi)")
+        raise BadInput(f"{flag} {text}: unknown suffix {unit!r} (use k, M, B, T or Ki, Mi, Gi)")
     value = _whole(number * scale, text, flag, "")
     _check_sign(value, text, flag, allow_zero)
     return value
@@ -95,7 +93,7 @@ def parse_bytes(text: str, flag: str, *, bare_unit: int = 1) -> int:
     elif key in _DECIMAL and key != "b":
         scale = _DECIMAL[key]
     else:
-        raise SizeError(f"{flag} {text}: unknown unit {unit!r} (use GB, GiB, MB, MiB, TB)")
+        raise BadInput(f"{flag} {text}: unknown unit {unit!r} (use GB, GiB, MB, MiB, TB)")
     value = _whole(number * scale, text, flag, "bytes")
     _check_sign(value, text, flag, allow_zero=False)
     return value
@@ -106,7 +104,7 @@ def parse_seconds(text: str, flag: str) -> float:
     number, unit = _split(text, flag)
     key = unit.lower()
     if key not in _SECONDS:
-        raise SizeError(f"{flag} {text}: unknown unit {unit!r} (use ms, s, min, h)")
+        raise BadInput(f"{flag} {text}: unknown unit {unit!r} (use ms, s, min, h)")
     value = number * _SECONDS[key]
     _check_sign(value, text, flag, allow_zero=False)
     return float(value)
@@ -118,7 +116,7 @@ def parse_float(text: str, flag: str, *, allow_percent: bool = False) -> float:
     if unit == "%" and allow_percent:
         number = number / 100
     elif unit != "":
-        raise SizeError(f"{flag} {text}: expected a plain number")
+        raise BadInput(f"{flag} {text}: expected a plain number")
     _check_sign(number, text, flag, allow_zero=False)
     return float(number)
 

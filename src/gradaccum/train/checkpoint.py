@@ -8,6 +8,7 @@ Layout under --out:
                                  trainer.pt    optimizer, scheduler, accumulator, data position,
                                                RNG states, config, progress counters
                                  train_config.json   the run's settings as given (for --resume)
+                                 manifest.json size and sha256 of each file above, written last
     checkpoints/latest           the name of the newest complete checkpoint
 
 A checkpoint is written into a temporary folder next to the others, every file fsynced, then
@@ -15,10 +16,15 @@ renamed into place (a rename is atomic); only then does `latest` move to it (wri
 renamed too), and only then are older checkpoints removed. A kill at any point leaves the
 previous checkpoint and a `latest` that names a complete folder. Everything is saved as
 tensors and plain containers, so both files load with torch.load(weights_only=True).
+
+What a rename cannot protect against (a file truncated, deleted or overwritten later, a disk
+that returns other bytes) the manifest catches: `newest_intact` checks sizes and checksums
+and falls back to the newest checkpoint that passes, naming what it skipped.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -31,9 +37,11 @@ import numpy as np
 import torch
 
 from ..atomic import fsync_dir, umask, write_atomic, write_text_atomic
+from ..errors import first_line
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
+MANIFEST = "manifest.json"
 _NAME = re.compile(r"^step-(\d+)$")
 
 
@@ -96,6 +104,8 @@ def save(
         if run_config is not None:
             text = json.dumps(run_config, indent=2, sort_keys=True).encode("utf-8")
             _write_synced(os.path.join(tmp, "train_config.json"), lambda f: f.write(text))
+        manifest = json.dumps(_manifest(tmp), indent=2, sort_keys=True).encode("utf-8")
+        _write_synced(os.path.join(tmp, MANIFEST), lambda f: f.write(manifest))
         fsync_dir(tmp)
         if os.path.exists(final):
             # A folder of this step left by a run that died before moving `latest` to it:
@@ -107,7 +117,7 @@ def save(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     write_text_atomic(os.path.join(root, LATEST), name + "\n")
-    _prune(root, keep)
+    _prune(root, keep, step)
     return final
 
 
@@ -120,9 +130,12 @@ def _steps(root: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def _prune(root: str, keep: int) -> None:
+def _prune(root: str, keep: int, step: int) -> None:
+    # Folders past `step` are from before a resume that fell back to an older checkpoint.
     latest = read_latest_name(root)
-    complete = [name for _, name in _steps(root)]
+    complete = [name for s, name in _steps(root) if s <= step]
+    for name in [name for s, name in _steps(root) if s > step]:
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     for name in complete[: max(0, len(complete) - keep)]:
         if name != latest:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
@@ -141,6 +154,12 @@ def read_latest_name(root: str) -> str | None:
     return name if _NAME.match(name) and os.path.isdir(os.path.join(root, name)) else None
 
 
+def step_folders(out: str) -> list[str]:
+    """The complete checkpoint folders under `out`, oldest first (none when there are none)."""
+    root = os.path.join(out, CHECKPOINTS)
+    return [os.path.join(root, name) for _, name in _steps(root)] if os.path.isdir(root) else []
+
+
 def find_latest(out: str) -> str | None:
     """The folder of the newest complete checkpoint under `out`, or None.
 
@@ -157,6 +176,65 @@ def find_latest(out: str) -> str | None:
             return None
         name = steps[-1][1]
     return os.path.join(root, name)
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _manifest(folder: str) -> dict:
+    files = {}
+    for name in sorted(os.listdir(folder)):
+        if name != MANIFEST:
+            path = os.path.join(folder, name)
+            files[name] = {"bytes": os.path.getsize(path), "sha256": _sha256(path)}
+    return {"files": files}
+
+
+def damage(path: str) -> str | None:
+    """What is wrong with checkpoint folder `path` by its manifest, in words; None if every
+    file it lists is there with its size and checksum. A folder without a manifest (written
+    by an older version) is judged by whether its files load."""
+    manifest_path = os.path.join(path, MANIFEST)
+    if not os.path.exists(manifest_path):
+        try:
+            load(path)
+            read_run_config(path)
+        except Exception as err:  # any failure to read back is damage, named in one line
+            return f"does not load ({first_line(err)})"
+        return None
+    try:
+        with open(manifest_path, encoding="utf-8") as f:
+            files = json.load(f)["files"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"{MANIFEST} unreadable ({first_line(err)})"
+    for name, want in files.items():
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            return f"{name} is missing"
+        size = os.path.getsize(file)
+        if size != want["bytes"]:
+            return f"{name} holds {size} bytes, the manifest says {want['bytes']}"
+        if _sha256(file) != want["sha256"]:
+            return f"{name} does not match its checksum"
+    return None
+
+
+def newest_intact(out: str) -> tuple[str | None, list[str]]:
+    """The newest checkpoint folder under `out` that passes `damage`, and one line per newer
+    one that did not ("step-00000004: model.pt is missing")."""
+    root = os.path.join(out, CHECKPOINTS)
+    skipped = []
+    for _, name in reversed(_steps(root) if os.path.isdir(root) else []):
+        why = damage(os.path.join(root, name))
+        if why is None:
+            return os.path.join(root, name), skipped
+        skipped.append(f"{name}: {why}")
+    return None, skipped
 
 
 def load(path: str, map_location="cpu") -> Checkpoint:

@@ -17,25 +17,23 @@ neighbours share one token and every token but the first is a label exactly once
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
 
+from ..errors import BadInput, first_line
 from .corpus import MarkovCorpus
 
-__all__ = ["Batches", "DataError", "DataInfo", "MarkovCorpus", "TokenDataset", "load_tokens"]
+__all__ = ["Batches", "DataInfo", "MarkovCorpus", "TokenDataset", "load_tokens"]
 
 BYTE_VOCAB = 257
 """Byte-level vocabulary: the 256 byte values and an end-of-document id (256)."""
 
 DEFAULT_CORPUS_TOKENS = 8_000_000
 """Tokens generated for the built-in corpus (about 16 MB, about half a second)."""
-
-
-class DataError(ValueError):
-    """Data that cannot be used as given; the message names the flag: `--data PATH: ...`."""
 
 
 class TokenDataset:
@@ -98,7 +96,7 @@ class Batches:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} not in [0, world_size {world_size})")
         if len(ds) == 0:
-            raise DataError("--data: the training split holds no sequence")
+            raise BadInput("--data: the training split holds no sequence")
         self.ds, self.micro_batch, self.seed = ds, micro_batch, seed
         self.rank, self.world_size = rank, world_size
         self.position = start
@@ -132,23 +130,37 @@ class Batches:
     def state_dict(self) -> dict:
         return {
             "position": self.position,
+            "sequences": self.position * self.world_size * self.micro_batch,
             "seed": self.seed,
             "micro_batch": self.micro_batch,
             "world_size": self.world_size,
             "num_sequences": len(self.ds),
         }
 
-    def load_state_dict(self, state: dict) -> None:
-        # Any of these changed would silently change which sequences come next.
-        for key, now in (
-            ("seed", self.seed),
-            ("micro_batch", self.micro_batch),
-            ("world_size", self.world_size),
-            ("num_sequences", len(self.ds)),
-        ):
-            if state[key] != now:
-                raise ValueError(f"cannot resume data position: {key} was {state[key]}, now {now}")
-        self.position = int(state["position"])
+    def load_state_dict(self, state: dict, other_data: bool = False) -> None:
+        """Continue where `state` stopped in the stream, whatever its micro-batch and world
+        size were: the position is the number of sequences all ranks read together, so it
+        carries over to any layout that divides it. other_data: the stream is another one
+        (more or fewer sequences), read from the same position on."""
+        if state["seed"] != self.seed:
+            raise ValueError(
+                f"cannot resume data position: seed was {state['seed']}, now {self.seed}"
+            )
+        if state["num_sequences"] != len(self.ds) and not other_data:
+            raise ValueError(
+                f"cannot resume data position: num_sequences was {state['num_sequences']}, "
+                f"now {len(self.ds)}"
+            )
+        read = int(
+            state.get("sequences", state["position"] * state["world_size"] * state["micro_batch"])
+        )
+        per_step = self.world_size * self.micro_batch
+        if read % per_step:
+            raise ValueError(
+                f"cannot resume data position: {read} sequences read is not a whole number of "
+                f"micro-steps of {self.micro_batch} sequences x {self.world_size} rank(s)"
+            )
+        self.position = read // per_step
 
 
 def eval_batches(
@@ -182,6 +194,9 @@ class DataInfo:
     """Tokens in the held-out split."""
     eod_token: int | None
     """The end-of-document id, where the source has one."""
+    fingerprint: str = ""
+    """A hash of every token of the stream (both splits): equal for the same tokens, however
+    they are stored or named."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -203,10 +218,10 @@ def load_tokens(
     vocab_size: the model's vocabulary when it is fixed (an HF config, a checkpoint): ids at or
         above it are refused; None takes the data's own.
     corpus, corpus_tokens: the built-in chain and how many tokens to draw from it.
-    Raises DataError naming `--data` on bad input.
+    Raises BadInput naming `--data` on bad input.
     """
     if not 0.0 <= val_fraction < 1.0:
-        raise DataError(f"--val-fraction {val_fraction}: must be in [0, 1)")
+        raise BadInput(f"--val-fraction {val_fraction}: must be in [0, 1)")
     eod, floor, top = None, None, None
     if spec is None:
         corpus = corpus or MarkovCorpus()
@@ -228,19 +243,30 @@ def load_tokens(
     if vocab_size is not None and len(tokens):
         top = int(tokens.max()) if top is None else top
         if top >= vocab_size:
-            raise DataError(
+            raise BadInput(
                 f"{flag}: token id {top} is outside the model's vocabulary of {vocab_size}"
             )
     n, need = len(tokens), seq_len + 1
     n_val = 0 if val_fraction == 0 else max(need, int(round(val_fraction * n)))
     if n - n_val < need:
         held = f" plus {n_val} held out" if n_val else ""
-        raise DataError(f"{flag}: {n} tokens, too few for one sequence of {need} tokens{held}")
+        raise BadInput(f"{flag}: {n} tokens, too few for one sequence of {need} tokens{held}")
     train, val = (
         TokenDataset(tokens[: n - n_val], seq_len),
         TokenDataset(tokens[n - n_val :], seq_len),
     )
-    return train, val, DataInfo(source, int(data_vocab), floor, n, n - n_val, n_val, eod)
+    info = DataInfo(source, int(data_vocab), floor, n, n - n_val, n_val, eod, fingerprint(tokens))
+    return train, val, info
+
+
+def fingerprint(tokens: np.ndarray) -> str:
+    """blake2b of the token ids as little-endian int64s, read in blocks (a memory-mapped
+    file is streamed, never held whole): the same ids give the same hash in any dtype."""
+    digest = hashlib.blake2b(digest_size=16)
+    block = 1 << 22
+    for start in range(0, len(tokens), block):
+        digest.update(np.asarray(tokens[start : start + block], dtype="<i8").tobytes())
+    return digest.hexdigest()
 
 
 MAX_VOCAB = 2**21
@@ -252,31 +278,31 @@ def _load_file(path: str) -> tuple[np.ndarray, int]:
     flag = f"--data {path}"
     ext = os.path.splitext(path)[1].lower()
     if ext not in (".txt", ".bin", ".npy"):
-        raise DataError(
+        raise BadInput(
             f"{flag}: unknown format; expected a .txt, .bin or .npy file or hf:NAME[:SPLIT]"
         )
     if not os.path.isfile(path):
-        raise DataError(f"{flag}: no such file")
+        raise BadInput(f"{flag}: no such file")
     size = os.path.getsize(path)
     if ext == ".txt":
         return _memmap(path, np.uint8, size), BYTE_VOCAB
     if ext == ".bin":
         if size % 2:
-            raise DataError(f"{flag}: {size} bytes is not a whole number of uint16 token ids")
+            raise BadInput(f"{flag}: {size} bytes is not a whole number of uint16 token ids")
         tokens = _memmap(path, np.uint16, size)
     else:
         try:
             tokens = np.load(path, mmap_mode="r", allow_pickle=False)
         except (ValueError, OSError) as err:
-            raise DataError(f"{flag}: not a readable .npy array ({err})") from None
+            raise BadInput(f"{flag}: not a readable .npy array ({err})") from None
         if tokens.dtype not in (np.uint16, np.uint32):
-            raise DataError(f"{flag}: dtype {tokens.dtype}; token ids must be uint16 or uint32")
+            raise BadInput(f"{flag}: dtype {tokens.dtype}; token ids must be uint16 or uint32")
         if tokens.ndim != 1:
-            raise DataError(f"{flag}: shape {tokens.shape}; token ids must be a 1-D array")
+            raise BadInput(f"{flag}: shape {tokens.shape}; token ids must be a 1-D array")
     # The vocabulary is what the ids use: one pass over the file.
     top = int(tokens.max()) if len(tokens) else 0
     if top >= MAX_VOCAB:  # a sentinel such as 2**32 - 1 would ask for a 4e9-row embedding
-        raise DataError(
+        raise BadInput(
             f"{flag}: token id {top} implies a vocabulary over {MAX_VOCAB:,}; "
             "is a padding or sentinel id in the file?"
         )
@@ -293,20 +319,19 @@ def _load_hf(spec: str) -> np.ndarray:
     name, _, split = spec[3:].partition(":")
     flag = f"--data {spec}"
     if not name:
-        raise DataError(f"{flag}: expected hf:NAME[:SPLIT]")
+        raise BadInput(f"{flag}: expected hf:NAME[:SPLIT]")
     try:
         import datasets
     except ImportError:
-        raise DataError(
+        raise BadInput(
             f"{flag}: needs the datasets package (pip install 'gradaccum[hf]')"
         ) from None
     try:
         ds = datasets.load_dataset(name, split=split or "train")
     except Exception as err:  # datasets raises many kinds (missing, offline, bad split)
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise DataError(f"{flag}: cannot load ({first})") from None
+        raise BadInput(f"{flag}: cannot load ({first_line(err)})") from None
     if "text" not in ds.column_names:
-        raise DataError(f"{flag}: no 'text' column (columns: {', '.join(ds.column_names)})")
+        raise BadInput(f"{flag}: no 'text' column (columns: {', '.join(ds.column_names)})")
     eod = np.array([BYTE_VOCAB - 1], np.uint16)
     parts = []
     for text in ds["text"]:

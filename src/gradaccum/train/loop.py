@@ -1,9 +1,10 @@
 """`gradaccum train`: a causal LM trained at a fixed tokens-per-step budget.
 
-The training step is straight-line code around `Accumulator.step`: fetch the window's k
-micro-batches, let the engine run their forwards and backwards and take one optimizer step,
-write a metrics line. Everything before the loop (data, model, plan, optimizer, resume) and
-after it (checkpoint, plot, summary) is spelled out in the order it happens.
+A `Run` is built (checks, data, model, plan: everything that can still reject the input,
+before anything is written), restored from a checkpoint on --resume, then trained one window
+at a time: fetch the window's k micro-batches, forward and backward each, one optimizer step,
+a metrics line; evaluated and saved every so often; finished with the model's export, the
+plot and the summary.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import math
 import os
 import time
 from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -19,59 +21,78 @@ import torch.distributed as dist
 from .. import devices, sync
 from ..atomic import write_text_atomic
 from ..distributed import RankInfo, init_distributed, teardown
-from ..engine import Accumulator
-from . import checkpoint
-from .config import FIELDS, TrainConfig, TrainConfigError, to_toml
+from ..engine import Accumulator, StepResult
+from ..errors import BadInput, RanksLost, first_line
+from . import checkpoint, checks, resume
+from .config import TrainConfig, to_toml
 from .console import Console, Progress, StopSignals
-from .metrics import MetricsWriter, plot_loss, read_metrics, read_metrics_text
-from .model import ModelError, build_model, causal_lm_loss
+from .lock import RunLock
+from .metrics import MetricsWriter, plot_loss, read_metrics
+from .model import build_model, causal_lm_loss
 from .resolve import resolve_plan
 from .schedule import Schedule, make_scheduler
 
-__all__ = ["TrainConfig", "TrainConfigError", "train"]
+__all__ = ["TrainConfig", "evaluate", "train"]
 
 EVAL_TOKENS = 32768
 """Held-out tokens the eval loss is measured on (fewer if the split is smaller)."""
 
+DIVERGED_WINDOWS = 50
+"""Windows in a row with a non-finite loss or gradient after which the run gives up."""
 
-def _init_distributed(config: TrainConfig) -> RankInfo:
+
+def train(config: TrainConfig, should_stop: Callable[[int], bool] | None = None) -> dict:
+    """Run the training `config` describes; return the summary (the --json object).
+
+    should_stop(step) is asked after every window, like a signal: True saves and stops.
+    Raises BadInput (a one-line `--flag value: why`) for input found bad, before anything is
+    written to --out.
+    """
+    config = prepare(config)
     try:
-        return init_distributed(device=config.device)
+        rank_info = init_distributed(device=config.device, timeout_s=config.dist_timeout)
     except ValueError as err:  # a bad torchrun environment or a device the backend cannot use
-        raise TrainConfigError(f"--device {config.device or 'auto'}: {err}") from None
+        raise BadInput("--device", config.device, first_line(err)) from None
+    try:
+        return Run.build(config, rank_info).train(should_stop)
+    finally:
+        teardown(rank_info)
 
 
-def _check_out_folder(out: str) -> None:
-    """--out must be a folder or creatable as one: checked before anything is read or written."""
-    path = os.path.abspath(out)
-    while not os.path.exists(path):
-        path = os.path.dirname(path)
-    if not os.path.isdir(path):
-        raise TrainConfigError(f"--out {out}: {path} is a file, not a folder")
-    if not os.access(path, os.W_OK):
-        raise TrainConfigError(f"--out {out}: {path} is not writable")
+def prepare(config: TrainConfig) -> TrainConfig:
+    """`config` with its default --out chosen and its paths absolute (a resume from another
+    folder finds them), after every check that needs no data: nothing read, nothing written."""
+    config = replace(
+        config,
+        out=config.out or checks.default_out(),
+        **{
+            name: os.path.abspath(getattr(config, name))
+            for name in ("data", "model_config", "init_from")
+            if getattr(config, name) is not None and not getattr(config, name).startswith("hf:")
+        },
+    )
+    checks.check_out_folder(config.out)
+    if not config.resume:  # a resume's model comes from its checkpoint, not from these paths
+        checks.check_paths(config)
+    elif config.data is not None:
+        checks.check_paths(replace(config, model_config=None, init_from=None, model=None))
+    checks.check_device(config.device)
+    checks.check_run_folder(config.out, config.resume)
+    return config
 
 
-def _check_resume(config: TrainConfig, ckpt, total_steps: int) -> None:
-    """What would make a resume wrong, found before anything in --out is rewritten."""
-    saved = ckpt.trainer_state["config"]
-    if saved.get("precision") != config.precision:
-        raise TrainConfigError(
-            f"--precision {config.precision}: the checkpoint in {config.out} was trained in "
-            f"{saved.get('precision')}; resume with the same precision"
-        )
-    if ckpt.step > total_steps:
-        raise TrainConfigError(
-            f"--max-steps {total_steps}: the checkpoint in {config.out} is already at step "
-            f"{ckpt.step}"
-        )
-    path = os.path.join(config.out, "metrics.jsonl")
-    lines = len(read_metrics_text(path)) if os.path.exists(path) else 0
-    if lines < ckpt.trainer_state["metrics_lines"]:
-        raise TrainConfigError(
-            f"--resume {config.out}: metrics.jsonl holds {lines} lines, the checkpoint saw "
-            f"{ckpt.trainer_state['metrics_lines']}; restore it or start a new --out"
-        )
+@dataclass
+class RunState:
+    """What a run has done so far, saved with each checkpoint."""
+
+    tokens: int = 0
+    """Tokens trained on (all ranks)."""
+    elapsed_s: float = 0.0
+    """Seconds since the loop started, over every resume."""
+    train_s: float = 0.0
+    """Seconds inside training windows only (not eval, saving or start-up)."""
+    initial_loss: float | None = None
+    """Loss of the run's first window, nats per token."""
 
 
 def _load_data(config: TrainConfig):
@@ -79,11 +100,29 @@ def _load_data(config: TrainConfig):
 
     try:
         return load_tokens(config.data, config.seq_len, config.seed)
+    except BadInput:
+        raise
     except (ValueError, OSError, ImportError) as err:
-        text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        if text.startswith("--"):
-            raise TrainConfigError(text) from None
-        raise TrainConfigError(f"--data {config.data or '(built-in)'}: {text}") from None
+        raise BadInput("--data", config.data or "(built-in)", first_line(err)) from None
+
+
+def _build_model(config: TrainConfig, data_info, ckpt):
+    if ckpt is not None:  # the model as trained: config.json and weights of the checkpoint
+        try:
+            return build_model(
+                init_from=ckpt.path, vocab_size=data_info.vocab_size, seq_len=config.seq_len
+            )
+        except BadInput as err:
+            raise BadInput(
+                "--resume", config.out, f"the checkpoint's model does not fit ({err.why or err})"
+            ) from None
+    return build_model(
+        preset=config.preset,
+        config_path=config.model_config,
+        init_from=config.init_from,
+        vocab_size=data_info.vocab_size,
+        seq_len=config.seq_len,
+    )
 
 
 def _optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
@@ -127,309 +166,395 @@ def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(model, "_orig_mod", model)
 
 
-def _stop_everywhere(stop: bool) -> bool:
-    # Signals reach ranks at different moments: all ranks must leave at the same window, or
-    # the ones still training wait forever for the ones that left.
-    return bool(sync.max_over_ranks(int(stop)))  # no collective when alone
+class Run:
+    """One training run, from its checked inputs to its summary.
 
-
-def train(config: TrainConfig, should_stop: Callable[[int], bool] | None = None) -> dict:
-    """Run the training `config` describes; return the summary (the --json object).
-
-    should_stop(step) is asked after every window, like a signal: True saves and stops.
-    Raises TrainConfigError (a one-line `--flag value: why`) for input found bad only once
-    the data or model is read; nothing is written to --out before that point.
+    `Run.build` reads the data and the model and plans the batch (a resume also opens its
+    checkpoint and judges what changed); `train` then restores, starts, loops over
+    `train_step` (one window) with `evaluate_now` and `save` between windows, and `finish`es.
     """
-    rank_info = _init_distributed(config)
-    try:
-        return _train(config, rank_info, rank_info.device, should_stop)
-    finally:
-        teardown(rank_info)
 
+    def __init__(self, config, rank_info, console, data, model, model_info, resolved, ckpt):
+        self.config, self.rank_info, self.console = config, rank_info, console
+        self.device = rank_info.device
+        self.is_main = rank_info.rank == 0
+        self.train_set, self.val_set, self.data_info = data
+        self.model_info, self.resolved, self.ckpt = model_info, resolved, ckpt
+        self.k, self.total = resolved.accum_steps, resolved.total_steps
+        self.notes: list[str] = []  # what a resume changed, one line each
+        self.schedule = Schedule(resolved.total_steps, resolved.warmup_steps, config.schedule)
+        self.model = self._place(model)
+        self.optimizer = _optimizer(self.model, config)
+        self.state = RunState()
+        self.metrics: MetricsWriter | None = None
+        self.lock = RunLock(config.out)
+        self.started = time.perf_counter()
 
-def _train(
-    config: TrainConfig,
-    rank_info: RankInfo,
-    device: torch.device,
-    should_stop: Callable[[int], bool] | None,
-) -> dict:
-    started = time.perf_counter()
-    is_main = rank_info.rank == 0
-    _check_out_folder(config.out)
-    console = Console(enabled=is_main, quiet=config.json)
+    @classmethod
+    def build(cls, config: TrainConfig, rank_info: RankInfo) -> Run:
+        console = Console(enabled=rank_info.rank == 0, quiet=config.json)
+        ckpt = resume.open_checkpoint(config, console.say) if config.resume else None
+        if ckpt is not None:
+            resume.check_metrics(config, ckpt)
+        torch.manual_seed(config.seed)
+        data = _load_data(config)
+        model, model_info = _build_model(config, data[2], ckpt)
+        notes, plan_config = [], config
+        if ckpt is not None:
+            notes = resume.check_data(config, ckpt, data[2])
+            plan_config = resume.batch_config(config, ckpt, rank_info.world_size)
+        resolved = resolve_plan(plan_config, model_info, rank_info.world_size, rank_info.device)
+        run = cls(config, rank_info, console, data, model, model_info, resolved, ckpt)
+        if ckpt is not None:
+            run.schedule, length_notes = resume.schedule(config, ckpt, resolved)
+            batch = resume.batch_line(ckpt, resolved)
+            run.notes = notes + length_notes + ([batch] if batch else [])
+            run.notes += resume.applied_changes(config, ckpt)
+        run._assemble()
+        return run
 
-    # ---- data, model, plan: everything that can still reject the input ------------------
-    torch.manual_seed(config.seed)
-    train_set, val_set, data_info = _load_data(config)
-    try:
-        model, model_info = build_model(
-            preset=config.preset,
-            config_path=config.model_config,
-            init_from=config.init_from,
-            vocab_size=data_info.vocab_size,
-            seq_len=config.seq_len,
+    def _place(self, model: torch.nn.Module) -> torch.nn.Module:
+        config = self.config
+        model.to(self.device)
+        if config.activation_checkpointing:
+            if hasattr(model, "set_activation_checkpointing"):
+                model.set_activation_checkpointing(True)
+            else:
+                model.gradient_checkpointing_enable()
+        if config.compile:  # before DDP, so the engine still sees DDP and its no_sync
+            model = torch.compile(model)
+        if self.rank_info.world_size > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            ids = [self.device.index] if self.device.type not in ("cpu", "mps") else None
+            model = DistributedDataParallel(model, device_ids=ids)
+        return model
+
+    def _assemble(self) -> None:
+        from .data import Batches
+
+        config = self.config
+        self.scheduler = make_scheduler(self.optimizer, self.schedule)
+        self.acc = Accumulator(
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            max_grad_norm=config.max_grad_norm or None,
+            precision=config.precision,
         )
-    except ModelError as err:
-        raise TrainConfigError(str(err)) from None
-    resolved = resolve_plan(config, model_info, rank_info.world_size, device)
-    ckpt = None
-    if config.resume:
-        ckpt = checkpoint.load(checkpoint.find_latest(config.out))
-        resolved.check_matches(ckpt.trainer_state["plan"], config.out)
-        _check_resume(config, ckpt, resolved.total_steps)
+        self.batches = Batches(
+            self.train_set,
+            self.resolved.micro_batch,
+            config.seed,
+            rank=self.rank_info.rank,
+            world_size=self.rank_info.world_size,
+        )
 
-    # ---- build the run ----------------------------------------------------------------------
-    model.to(device)
-    if config.activation_checkpointing:
-        if hasattr(model, "set_activation_checkpointing"):
-            model.set_activation_checkpointing(True)
-        else:
-            model.gradient_checkpointing_enable()
-    if ckpt is not None:
-        try:
-            model.load_state_dict(ckpt.model_state)
-        except RuntimeError as err:  # another vocabulary, another model
-            first = str(err).strip().splitlines()[-1].strip()
-            raise TrainConfigError(
-                f"--resume {config.out}: the checkpoint's model does not fit this one ({first})"
-            ) from None
-    if config.compile:  # before DDP, so the engine still sees DDP and its no_sync
-        model = torch.compile(model)
-    if rank_info.world_size > 1:
-        from torch.nn.parallel import DistributedDataParallel
+    # ---- restore, start ----------------------------------------------------------------
 
-        ids = [device.index] if device.type not in ("cpu", "mps") else None
-        model = DistributedDataParallel(model, device_ids=ids)
-    optimizer = _optimizer(model, config)
-    schedule = Schedule(resolved.total_steps, resolved.warmup_steps, config.schedule)
-    scheduler = make_scheduler(optimizer, schedule)
-    acc = Accumulator(
-        model,
-        optimizer,
-        scheduler,
-        max_grad_norm=config.max_grad_norm or None,
-        precision=config.precision,
-    )
-    from .data import Batches
-
-    batches = Batches(
-        train_set,
-        resolved.micro_batch,
-        config.seed,
-        rank=rank_info.rank,
-        world_size=rank_info.world_size,
-    )
-    progress_state = {"tokens": 0, "elapsed_s": 0.0, "train_s": 0.0, "initial_loss": None}
-    if ckpt is not None:
-        state = ckpt.trainer_state
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        # The saved lr follows the saved schedule; a resume with another --lr or --max-steps
-        # continues on the new one from the step reached.
-        scheduler.base_lrs = [config.lr] * len(optimizer.param_groups)
-        for group in optimizer.param_groups:
+    def restore(self) -> None:
+        """Continue exactly where the checkpoint stopped, with the changes `notes` names."""
+        state, config = self.ckpt.trainer_state, self.config
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        # The optimizer's saved hyperparameters give way to the settings as (re)given.
+        self.scheduler.base_lrs = [config.lr] * len(self.optimizer.param_groups)
+        for group in self.optimizer.param_groups:
             group["initial_lr"] = config.lr
-            group["lr"] = config.lr * schedule(scheduler.last_epoch)
-        acc.load_state_dict(state["accumulator"])
+            group["lr"] = config.lr * self.schedule(self.scheduler.last_epoch)
+        self.optimizer.param_groups[0]["weight_decay"] = config.weight_decay
+        self.acc.load_state_dict(state["accumulator"])
         try:
-            batches.load_state_dict(state["data"])
+            self.batches.load_state_dict(state["data"], other_data=config.allow_data_change)
         except ValueError as err:
-            raise TrainConfigError(f"--resume {config.out}: {err}") from None
+            raise BadInput("--resume", config.out, str(err)) from None
         checkpoint.set_rng_state(state["rng"])
-        progress_state = dict(state["progress"])
-    step = acc.steps
+        self.state = RunState(**state["progress"])
 
-    # ---- say what is about to happen, then write the run's folder -----------------------
-    console.say(resolved.table)
-    console.say(f"model  {model_info.source}: {model_info.params:,} parameters")
-    floor = data_info.entropy_floor
-    console.say(
-        f"data   {data_info.source}: vocab {data_info.vocab_size}, "
-        f"ln V = {math.log(data_info.vocab_size):.3f}"
-        + (f", entropy floor {floor:.3f} nats/token" if floor is not None else "")
-    )
-    console.say(
-        f"device {device}, precision {config.precision}, out {config.out}"
-        + (f", resuming at step {step}" if ckpt is not None else "")
-    )
-    metrics_path = os.path.join(config.out, "metrics.jsonl")
-    metrics = None
-    if is_main:
-        os.makedirs(config.out, exist_ok=True)
-        resolved_values = {**config.to_dict(), **resolved.config_values()}
-        resolved_values = {
-            k: v for k, v in resolved_values.items() if k in FIELDS and k not in ("resume", "json")
-        }
-        write_text_atomic(os.path.join(config.out, "train.toml"), to_toml(resolved_values))
-        keep = ckpt.trainer_state["metrics_lines"] if ckpt is not None else None
-        metrics = MetricsWriter(metrics_path, keep_lines=keep)
-
-    def save() -> None:
-        if is_main:
-            state = {
-                "step": step,
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
-                "accumulator": acc.state_dict(),
-                "data": batches.state_dict(),
-                "rng": checkpoint.rng_state(),
-                "config": config.to_dict(),
-                "plan": resolved.summary(),
-                "metrics_lines": metrics.lines,
-                "progress": dict(progress_state),
-            }
-            checkpoint.save(
-                config.out,
-                step,
-                _unwrapped(model).state_dict(),
-                model_info.config,
-                state,
-                run_config=config.to_dict(),
+    def start(self) -> None:
+        """Say what is about to happen, take the folder's lock, write train.toml."""
+        config, info, say = self.config, self.data_info, self.console.say
+        say(self.resolved.table)
+        say(f"model  {self.model_info.source}: {self.model_info.params:,} parameters")
+        floor = info.entropy_floor
+        say(
+            f"data   {info.source}: vocab {info.vocab_size}, ln V = {math.log(info.vocab_size):.3f}"
+            + (f", entropy floor {floor:.3f} nats/token" if floor is not None else "")
+        )
+        resuming = f", resuming at step {self.acc.steps}" if self.ckpt is not None else ""
+        say(f"device {self.device}, precision {config.precision}, out {config.out}{resuming}")
+        if self.device.type == "cpu" and config.precision != "fp32":
+            say(
+                f"note: {config.precision} on CPU is usually several times slower than fp32 "
+                "(few CPUs have fast low-precision matmuls); fp32 is the faster choice here"
             )
-        if rank_info.world_size > 1:
-            dist.barrier()
+        for line in self.notes:
+            say(f"resume: {line}")
+        self._take_lock()
+        if self.is_main:
+            write_text_atomic(os.path.join(config.out, "train.toml"), to_toml(config.chosen()))
+            keep = self.ckpt.trainer_state["metrics_lines"] if self.ckpt is not None else None
+            self.metrics = MetricsWriter(os.path.join(config.out, "metrics.jsonl"), keep)
 
-    # ---- the loop: one window, one optimizer step -----------------------------------------
-    k, total = resolved.accum_steps, resolved.total_steps
-    progress = Progress(console, total, step, k)
-    first_step, last_saved, stopped, skipped_in_a_row = step, step, None, 0
-    here = time.perf_counter()  # this process's start, for the ETA
-    loop_start = here - progress_state["elapsed_s"]
-    with StopSignals() as signals:
+    def _take_lock(self) -> None:
+        failed = None
+        if self.is_main:
+            try:
+                self.lock.acquire()
+            except BadInput as err:
+                failed = err
+        # Every rank leaves with the same error, or none of them waits on the others.
+        if sync.max_over_ranks(int(failed is not None)):
+            raise failed or BadInput("--out", self.config.out, "in use by a running run")
+
+    # ---- the loop ----------------------------------------------------------------------
+
+    def train(self, should_stop: Callable[[int], bool] | None) -> dict:
+        with StopSignals() as signals:
+            if self.ckpt is not None:
+                self.restore()
+            try:
+                self.start()
+                stopped = self._loop(signals, should_stop)
+            except RuntimeError as err:
+                self.lock.release()
+                lost = self._lost(err)
+                if lost is None:
+                    raise
+                raise lost from None
+            except BaseException:
+                self.lock.release()
+                raise
         try:
-            while step < total:
-                t0 = time.perf_counter()
-                micro_batches = [_to_device(next(batches), device) for _ in range(k)]
-                result = acc.step(micro_batches, causal_lm_loss)
-                devices.synchronize(device)
-                dt = time.perf_counter() - t0
-                step = result.step
-                progress_state["tokens"] += result.tokens
-                progress_state["train_s"] += dt
-                progress_state["elapsed_s"] = time.perf_counter() - loop_start
-                if progress_state["initial_loss"] is None:
-                    progress_state["initial_loss"] = result.loss
+            return self.finish(stopped)
+        finally:
+            self.lock.release()
+
+    def _lost(self, err: RuntimeError) -> RanksLost | None:
+        """A collective that failed because another rank died or stopped answering, as one
+        line; None for any other error."""
+        text = first_line(err)
+        lost = isinstance(err, dist.DistError) or any(
+            word in text
+            for word in ("Timed out", "timed out", "Connection closed", "Connection reset")
+        )
+        if self.rank_info.world_size == 1 or not lost:
+            return None
+        return RanksLost(
+            f"rank {self.rank_info.rank} of {self.rank_info.world_size}: another rank stopped "
+            f"answering (it died or hangs; --dist-timeout {self.config.dist_timeout:g} s) at step "
+            f"{self.acc.steps}: {text}"
+        )
+
+    def _loop(self, signals: StopSignals, should_stop) -> str | None:
+        self.progress = Progress(self.console, self.total, self.acc.steps, self.k)
+        self.first_step = self.last_saved = self.acc.steps
+        self.here = time.perf_counter()  # this process's start, for the ETA
+        self.loop_start = self.here - self.state.elapsed_s
+        skipped_in_a_row, stopped = 0, None
+        try:
+            while self.acc.steps < self.total:
+                result = self.train_step(signals)
+                if result is None:  # a stop request arrived mid-window
+                    stopped = signals.requested or "another rank"
+                    break
+                self.record(result)
                 skipped_in_a_row = skipped_in_a_row + 1 if result.skipped else 0
-                if skipped_in_a_row >= 50:
+                if skipped_in_a_row >= DIVERGED_WINDOWS:
                     raise RuntimeError(
-                        f"50 windows in a row had a non-finite loss or gradient "
+                        f"{DIVERGED_WINDOWS} windows in a row had a non-finite loss or gradient "
                         f"(last loss {result.loss}); training diverged"
                     )
-                if is_main:
-                    metrics.write(
-                        {
-                            "step": step,
-                            "loss": result.loss,
-                            "tokens": progress_state["tokens"],
-                            "tokens_per_s": result.tokens / dt,
-                            "lr": result.lr,
-                            "grad_norm": result.grad_norm,
-                            "accum_steps": k,
-                            "micro_batch": resolved.micro_batch,
-                            "skipped": result.skipped,
-                            "elapsed_s": progress_state["elapsed_s"],
-                        }
-                    )
-                progress.update(
-                    step,
-                    result.loss,
-                    result.tokens / dt,
-                    result.lr,
-                    time.perf_counter() - here,
-                    step - first_step,
-                )
-                if (
-                    is_main
-                    and not result.skipped
-                    and (step == total or (config.eval_every and step % config.eval_every == 0))
-                ):
-                    eval_loss = evaluate(
-                        _unwrapped(model), val_set, resolved.micro_batch, device, config.precision
-                    )
-                    metrics.write(
-                        {
-                            "step": step,
-                            "tokens": progress_state["tokens"],
-                            "eval_loss": eval_loss,
-                            "elapsed_s": time.perf_counter() - loop_start,
-                        }
-                    )
-                    progress.note(f"step {step}: eval loss {eval_loss:.4f}")
+                if not result.skipped and self._eval_due():
+                    self.evaluate_now()
                 stop = signals.requested or (
-                    "request" if should_stop and should_stop(step) else None
+                    "request" if should_stop and should_stop(self.acc.steps) else None
                 )
-                if _stop_everywhere(stop is not None):
+                if bool(sync.max_over_ranks(int(stop is not None))):
                     stopped = stop or "another rank"
                     break
-                if config.save_every and step % config.save_every == 0 and step != last_saved:
-                    save()
-                    last_saved = step
+                if self.config.save_every and self.acc.steps % self.config.save_every == 0:
+                    self.save()
         finally:
-            progress.close()
-        if step != last_saved:
-            save()
+            self.progress.close()
+        self.save()
+        return stopped
+
+    def train_step(self, signals: StopSignals) -> StepResult | None:
+        """One window: k micro-batches forward and backward, one optimizer step. None when a
+        stop request came mid-window: the window is abandoned (nothing stepped, nothing
+        counted) and the data and RNG rewound to its start, as the last checkpoint would be."""
+        t0 = time.perf_counter()
+        position, rng = self.batches.position, checkpoint.rng_state()
+        micro_batches = [_to_device(next(self.batches), self.device) for _ in range(self.k)]
+        window = self.acc.begin_window(micro_batches)  # counts the window's tokens over ranks
+        for micro_batch in micro_batches:
+            if self._stop_now(signals):
+                window.abandon()
+                self.batches.position = position
+                checkpoint.set_rng_state(rng)
+                return None
+            with window.micro_step():  # autocast; gradients sync on the last micro-batch only
+                loss_sum, num_tokens = causal_lm_loss(self.model, micro_batch)
+                window.backward(loss_sum, num_tokens)  # scaled by world / N of the window
+        result = window.finish()  # clip, optimizer and scheduler step, zero_grad: once
+        devices.synchronize(self.device)
+        self.step_s = time.perf_counter() - t0
+        return result
+
+    def _stop_now(self, signals: StopSignals) -> bool:
+        if self.rank_info.world_size == 1:
+            return signals.requested is not None
+        # Ranks must abandon the same micro-step, or one waits in the last one's all-reduce.
+        return bool(sync.max_over_ranks(int(signals.requested is not None)))
+
+    def record(self, result: StepResult) -> None:
+        """The window's numbers into the run's state, metrics.jsonl and the progress line."""
+        st, dt, now = self.state, self.step_s, time.perf_counter()
+        st.tokens += result.tokens
+        st.train_s += dt
+        st.elapsed_s = now - self.loop_start
+        if st.initial_loss is None:
+            st.initial_loss = result.loss
+        if self.is_main:
+            self.metrics.write(
+                {
+                    "step": result.step,
+                    "loss": result.loss,
+                    "tokens": st.tokens,
+                    "tokens_per_s": result.tokens / dt,
+                    "lr": result.lr,
+                    "grad_norm": result.grad_norm,
+                    "accum_steps": self.k,
+                    "micro_batch": self.resolved.micro_batch,
+                    "skipped": result.skipped,
+                    "elapsed_s": st.elapsed_s,
+                }
+            )
+        done_here = result.step - self.first_step
+        self.progress.update(
+            result.step, result.loss, result.tokens / dt, result.lr, now - self.here, done_here
+        )
+
+    def _eval_due(self) -> bool:
+        step, every = self.acc.steps, self.config.eval_every
+        return self.is_main and (step == self.total or bool(every and step % every == 0))
+
+    def evaluate_now(self) -> None:
+        loss = evaluate(
+            _unwrapped(self.model),
+            self.val_set,
+            self.resolved.micro_batch,
+            self.device,
+            self.config.precision,
+        )
+        self.metrics.write(
+            {
+                "step": self.acc.steps,
+                "tokens": self.state.tokens,
+                "eval_loss": loss,
+                "elapsed_s": time.perf_counter() - self.loop_start,
+            }
+        )
+        self.progress.note(f"step {self.acc.steps}: eval loss {loss:.4f}")
+
+    # ---- save, finish ------------------------------------------------------------------
+
+    def trainer_state(self) -> dict:
+        """Everything but the weights that the run needs to continue exactly."""
+        return {
+            "step": self.acc.steps,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "accumulator": self.acc.state_dict(),
+            "data": self.batches.state_dict(),
+            "data_fingerprint": self.data_info.fingerprint,
+            "rng": checkpoint.rng_state(),
+            "config": self.config.to_dict(),
+            "plan": self.resolved.summary(),
+            "schedule": self.schedule.state_dict(),
+            "metrics_lines": self.metrics.lines,
+            "progress": asdict(self.state),
+        }
+
+    def save(self) -> None:
+        """A checkpoint of the last finished window, unless one of it exists. A failed write
+        (a full disk) leaves the previous checkpoint and is said in one line; training goes on."""
+        step = self.acc.steps
+        if step == self.last_saved:
+            return
+        if self.is_main:
+            try:
+                checkpoint.save(
+                    self.config.out,
+                    step,
+                    _unwrapped(self.model).state_dict(),
+                    self.model_info.config,
+                    self.trainer_state(),
+                    run_config=self.config.to_dict(),
+                    keep=self.config.keep_checkpoints,
+                )
+            except OSError as err:
+                self.progress.note(
+                    f"checkpoint at step {step} not written ({err.strerror or first_line(err)}); "
+                    f"the one at step {self.last_saved} is still there"
+                )
+        if self.rank_info.world_size > 1:
+            dist.barrier()
+        self.last_saved = step
+
+    def finish(self, stopped: str | None) -> dict:
+        """Export the model (a finished run only), plot the losses, return the summary."""
+        config, step = self.config, self.acc.steps
         if stopped:
-            console.say(
-                f"stopped by {stopped} at step {step}/{total}; checkpoint saved, "
+            self.console.say(
+                f"stopped by {stopped} at step {step}/{self.total}; checkpoint saved, "
                 f"continue with: gradaccum train --resume --out {config.out}"
             )
+        records = []
+        if self.is_main:
+            self.metrics.close()
+            records = read_metrics(os.path.join(config.out, "metrics.jsonl"))
+            if stopped is None:
+                state = _unwrapped(self.model).state_dict()
+                checkpoint.save_model(config.out, state, self.model_info.config)
+            r = self.resolved
+            plot_loss(
+                records,
+                os.path.join(config.out, "loss.png"),
+                self.data_info.entropy_floor,
+                title=f"{self.model_info.source}, {r.tokens_per_step:,} tokens/step "
+                f"(b {r.micro_batch} x k {r.accum_steps} x world {r.world_size})",
+            )
+        return self.summary(records, stopped)
 
-    # ---- results -----------------------------------------------------------------------
-    records = []
-    if is_main:
-        metrics.close()
-        records = read_metrics(metrics_path)
-        if stopped is None:
-            checkpoint.save_model(config.out, _unwrapped(model).state_dict(), model_info.config)
-        plot_loss(
-            records,
-            os.path.join(config.out, "loss.png"),
-            floor,
-            title=f"{model_info.source}, {resolved.tokens_per_step:,} tokens/step "
-            f"(b {resolved.micro_batch} x k {k} x world {rank_info.world_size})",
-        )
-    return _summary(
-        records,
-        progress_state,
-        resolved,
-        data_info,
-        model_info,
-        config,
-        step,
-        stopped,
-        time.perf_counter() - started,
-        device,
-    )
-
-
-def _summary(
-    records, progress_state, resolved, data_info, model_info, config, step, stopped, wall_s, device
-) -> dict:
-    """The --json object. Losses are nats per token: initial_loss of the run's first window,
-    final_loss of its last, final_eval_loss on the held-out split. tokens_per_s counts only
-    time inside training windows (not eval, saving or start-up); wall_s is this process's
-    whole time. Ranks other than 0 read no metrics and report no losses."""
-    train_lines = [r for r in records if "eval_loss" not in r]
-    eval_lines = [r for r in records if "eval_loss" in r]
-    return {
-        "initial_loss": progress_state["initial_loss"],
-        "final_loss": train_lines[-1]["loss"] if train_lines else None,
-        "final_eval_loss": eval_lines[-1]["eval_loss"] if eval_lines else None,
-        "entropy_floor": data_info.entropy_floor,
-        "ln_vocab": math.log(data_info.vocab_size),
-        "steps": step,
-        "total_steps": resolved.total_steps,
-        "tokens": progress_state["tokens"],
-        "tokens_per_s": progress_state["tokens"] / max(progress_state["train_s"], 1e-9),
-        "skipped": sum(1 for r in train_lines if r.get("skipped")),
-        "wall_s": wall_s,
-        "micro_batch": resolved.micro_batch,
-        "accum_steps": resolved.accum_steps,
-        "world_size": resolved.world_size,
-        "tokens_per_step": resolved.tokens_per_step,
-        "params": model_info.params,
-        "device": str(device),
-        "precision": config.precision,
-        "stopped": stopped,
-        "out": config.out,
-    }
+    def summary(self, records: list[dict], stopped: str | None) -> dict:
+        """The --json object. Losses are nats per token: initial_loss of the run's first
+        window, final_loss of its last, final_eval_loss on the held-out split. tokens_per_s
+        counts only time inside training windows (not eval, saving or start-up); wall_s is
+        this process's whole time. Ranks other than 0 read no metrics and report no losses."""
+        train_lines = [r for r in records if "eval_loss" not in r]
+        eval_lines = [r for r in records if "eval_loss" in r]
+        st, r, info = self.state, self.resolved, self.data_info
+        return {
+            "initial_loss": st.initial_loss,
+            "final_loss": train_lines[-1]["loss"] if train_lines else None,
+            "final_eval_loss": eval_lines[-1]["eval_loss"] if eval_lines else None,
+            "entropy_floor": info.entropy_floor,
+            "ln_vocab": math.log(info.vocab_size),
+            "steps": self.acc.steps,
+            "total_steps": r.total_steps,
+            "tokens": st.tokens,
+            "tokens_per_s": st.tokens / max(st.train_s, 1e-9),
+            "skipped": sum(1 for x in train_lines if x.get("skipped")),
+            "wall_s": time.perf_counter() - self.started,
+            "micro_batch": r.micro_batch,
+            "accum_steps": r.accum_steps,
+            "world_size": r.world_size,
+            "tokens_per_step": r.tokens_per_step,
+            "params": self.model_info.params,
+            "device": str(self.device),
+            "precision": self.config.precision,
+            "stopped": stopped,
+            "out": self.config.out,
+        }

@@ -21,6 +21,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from ..errors import BadInput, first_line
+
 # Layers, heads and width of each preset; vocab and seq_len come from the data.
 PRESETS: dict[str, dict] = {
     "tiny": {"n_layer": 4, "n_head": 4, "n_embd": 128},
@@ -31,10 +33,6 @@ PRESETS: dict[str, dict] = {
 # The `model_type` written into config.json for this GPT, so a checkpoint folder says which
 # kind of model it holds (Hugging Face configs carry their own model_type).
 GPT_MODEL_TYPE = "gradaccum-gpt"
-
-
-class ModelError(ValueError):
-    """A model that cannot be built from what the user gave; the message names the flag."""
 
 
 @dataclass
@@ -206,12 +204,12 @@ class ModelInfo:
 
 def _check_fits(flag: str, value, model_vocab: int, model_seq: int, vocab_size, seq_len) -> None:
     if vocab_size is not None and vocab_size > model_vocab:
-        raise ModelError(
+        raise BadInput(
             f"{flag} {value}: the data has {vocab_size} token ids but the model's vocabulary "
             f"holds {model_vocab}"
         )
     if seq_len is not None and seq_len > model_seq:
-        raise ModelError(
+        raise BadInput(
             f"{flag} {value}: sequences of {seq_len} tokens exceed the model's {model_seq} positions"
         )
 
@@ -235,14 +233,15 @@ def _hf_model(flag: str, path: str, source: str, vocab_size, seq_len):
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError:
-        raise ModelError(
-            f"{flag} {path}: needs transformers (pip install 'gradaccum[hf]')"
-        ) from None
+        raise BadInput(f"{flag} {path}: needs transformers (pip install 'gradaccum[hf]')") from None
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ModelError(f"{flag} {path}: not a readable model config ({first})") from None
+    except (OSError, ValueError, KeyError) as err:
+        raise BadInput(flag, path, f"not a readable model config ({_short(err)})") from None
+    if not isinstance(getattr(config, "vocab_size", None), int):
+        raise BadInput(
+            flag, path, f"not a causal LM config (model_type {config.model_type} has no vocabulary)"
+        )
     max_pos = next(
         (
             getattr(config, a)
@@ -255,7 +254,15 @@ def _hf_model(flag: str, path: str, source: str, vocab_size, seq_len):
     try:
         model = AutoModelForCausalLM.from_config(config)
     except ValueError as err:
-        raise ModelError(f"{flag} {path}: not a causal LM config ({err})") from None
+        raise BadInput(flag, path, f"not a causal LM config ({_short(err)})") from None
+    if not sees_only_the_past(model, config.vocab_size):
+        raise BadInput(
+            flag,
+            path,
+            f"model_type {config.model_type} builds {type(model).__name__}, which reads later "
+            "tokens to predict earlier ones (an encoder, not a causal decoder); only causal "
+            "language models can be trained here",
+        )
     get = lambda *names: next((getattr(config, n) for n in names if hasattr(config, n)), 0)  # noqa: E731
     info = ModelInfo(
         source=source,
@@ -271,6 +278,28 @@ def _hf_model(flag: str, path: str, source: str, vocab_size, seq_len):
     return model, info
 
 
+def _short(err: BaseException, limit: int = 160) -> str:
+    """A library's message cut to its first sentence: some list every model type there is."""
+    text = first_line(err).split(". ")[0]
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+@torch.no_grad()
+def sees_only_the_past(model: nn.Module, vocab_size: int, length: int = 8) -> bool:
+    """Whether the logits at each position are independent of the tokens after it: change
+    the last token of a fixed sequence and compare the logits before it. Uses no RNG."""
+    was_training = model.training
+    model.eval()
+    try:
+        ids = (torch.arange(length) * 7 % vocab_size).unsqueeze(0)
+        changed = ids.clone()
+        changed[0, -1] = (changed[0, -1] + 1) % vocab_size
+        before, after = (model(x).logits[0, :-1] for x in (ids, changed))
+    finally:
+        model.train(was_training)
+    return torch.allclose(before, after, rtol=1e-4, atol=1e-5)
+
+
 def _load_state_dict(directory: str) -> dict:
     st_path = os.path.join(directory, "model.safetensors")
     pt_path = os.path.join(directory, "model.pt")
@@ -278,14 +307,21 @@ def _load_state_dict(directory: str) -> dict:
         try:
             from safetensors.torch import load_file
         except ImportError:
-            raise ModelError(
+            raise BadInput(
                 f"--init-from {directory}: model.safetensors needs safetensors (pip install safetensors)"
             ) from None
         state = load_file(st_path)
     elif os.path.exists(pt_path):
-        state = torch.load(pt_path, map_location="cpu", weights_only=True)
+        try:
+            state = torch.load(pt_path, map_location="cpu", weights_only=True)
+        except Exception as err:  # torch raises many kinds for a file that is not a state_dict
+            raise BadInput(
+                "--init-from", directory, f"model.pt is not a readable state_dict ({_short(err)})"
+            ) from None
+        if not isinstance(state, dict):
+            raise BadInput("--init-from", directory, "model.pt does not hold a state_dict")
     else:
-        raise ModelError(f"--init-from {directory}: holds neither model.safetensors nor model.pt")
+        raise BadInput(f"--init-from {directory}: holds neither model.safetensors nor model.pt")
     # Checkpoints written from a compiled or DDP-wrapped model carry these prefixes.
     clean = {}
     for key, value in state.items():
@@ -300,11 +336,18 @@ def _from_checkpoint(directory: str, vocab_size, seq_len, dropout: float):
     flag = "--init-from"
     config_path = os.path.join(directory, "config.json")
     if not os.path.isdir(directory):
-        raise ModelError(f"{flag} {directory}: no such folder")
+        raise BadInput(f"{flag} {directory}: no such folder")
     if not os.path.exists(config_path):
-        raise ModelError(f"{flag} {directory}: no config.json in it")
-    with open(config_path) as f:
-        saved = json.load(f)
+        raise BadInput(f"{flag} {directory}: no config.json in it")
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as err:  # malformed JSON, not UTF-8
+        raise BadInput(
+            flag, directory, f"config.json is not readable JSON ({_short(err)})"
+        ) from None
+    if not isinstance(saved, dict):
+        raise BadInput(flag, directory, "config.json does not hold a JSON object")
     source = f"checkpoint {directory}"
     if saved.get("model_type", GPT_MODEL_TYPE) == GPT_MODEL_TYPE:
         names = {f.name for f in fields(GPTConfig)}
@@ -313,9 +356,7 @@ def _from_checkpoint(directory: str, vocab_size, seq_len, dropout: float):
         try:
             cfg = GPTConfig(**kwargs)
         except (TypeError, ValueError) as err:
-            raise ModelError(
-                f"{flag} {directory}: config.json is not a GPT config ({err})"
-            ) from None
+            raise BadInput(f"{flag} {directory}: config.json is not a GPT config ({err})") from None
         _check_fits(flag, directory, cfg.vocab_size, cfg.seq_len, vocab_size, seq_len)
         model, info = GPT(cfg), None
     else:
@@ -323,9 +364,8 @@ def _from_checkpoint(directory: str, vocab_size, seq_len, dropout: float):
     try:
         model.load_state_dict(_load_state_dict(directory))
     except RuntimeError as err:
-        first = str(err).strip().splitlines()[0]
-        raise ModelError(
-            f"{flag} {directory}: weights do not match config.json ({first})"
+        raise BadInput(
+            flag, directory, f"weights do not match config.json ({_short(err)})"
         ) from None
     return model, info or _gpt_info(model, source)
 
@@ -345,7 +385,7 @@ def build_model(
         init, nothing downloaded; vocab and positions come from the config.
     init_from: a folder with config.json and model.safetensors or model.pt (a state_dict).
     For the last two, vocab_size and seq_len, when given, are checked to fit the model.
-    Raises ModelError naming the flag on bad input.
+    Raises BadInput naming the flag on bad input.
     """
     given = [x for x in (preset, config_path, init_from) if x is not None]
     if len(given) != 1:
@@ -354,12 +394,12 @@ def build_model(
         return _from_checkpoint(init_from, vocab_size, seq_len, dropout)
     if config_path is not None:
         if not os.path.exists(config_path):
-            raise ModelError(f"--model-config {config_path}: no such file")
+            raise BadInput(f"--model-config {config_path}: no such file")
         return _hf_model(
             "--model-config", config_path, f"HF config {config_path}", vocab_size, seq_len
         )
     if preset not in PRESETS:
-        raise ModelError(f"--model {preset}: unknown preset; choose one of {', '.join(PRESETS)}")
+        raise BadInput(f"--model {preset}: unknown preset; choose one of {', '.join(PRESETS)}")
     if vocab_size is None or seq_len is None:
         raise ValueError("build_model: a preset needs vocab_size and seq_len")
     model = GPT(

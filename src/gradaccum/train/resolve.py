@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from .. import devices
-from ..plan import Plan, PlanError, PlanInputs, make_plan, render_table
-from .config import DEFAULT_MAX_TOKENS, DEFAULT_TOKENS_PER_STEP, TrainConfig, TrainConfigError
+from ..errors import BadInput
+from ..plan import Plan, PlanInputs, make_plan, render_table
+from .config import DEFAULT_MAX_TOKENS, DEFAULT_TOKENS_PER_STEP, TrainConfig
 
 MAX_ACCUM_STEPS = 65536
 """Most micro-batches one window may hold: the trainer fetches a window's micro-batches
@@ -74,38 +75,14 @@ class Resolved:
         return render_table(self.plan)
 
     def summary(self) -> dict:
-        """What a checkpoint records, to refuse a resume that would read other data."""
+        """The batch a checkpoint records: a resume keeps its tokens per step and sequence length."""
         return {
             "micro_batch": self.micro_batch,
             "accum_steps": self.accum_steps,
             "world_size": self.world_size,
             "seq_len": self.seq_len,
-        }
-
-    def check_matches(self, saved: dict, out: str) -> None:
-        """Raise TrainConfigError unless the checkpoint was trained with this batch."""
-        flags = {
-            "micro_batch": "--micro-batch",
-            "accum_steps": "--accum-steps",
-            "world_size": "--nproc-per-node",
-            "seq_len": "--seq-len",
-        }
-        for key, now in self.summary().items():
-            if saved.get(key) != now:
-                raise TrainConfigError(
-                    f"{flags[key]} {now}: the checkpoint in {out} was trained with "
-                    f"{saved.get(key)}; resume with the same value"
-                )
-
-    def config_values(self) -> dict:
-        """The config fields as resolved, for the run's train.toml."""
-        return {
-            "micro_batch": self.micro_batch,
-            "accum_steps": self.accum_steps,
             "tokens_per_step": self.tokens_per_step,
-            "max_steps": self.total_steps,
-            "max_tokens": None,
-            "warmup_steps": self.warmup_steps,
+            "total_steps": self.total_steps,
         }
 
 
@@ -116,7 +93,7 @@ def _largest_power_of_two(n: int) -> int:
 def resolve_plan(
     config: TrainConfig, model_info, world_size: int, device: torch.device
 ) -> Resolved:
-    """Micro-batch, k, steps and warmup for `config` on `device`; TrainConfigError if none."""
+    """Micro-batch, k, steps and warmup for `config` on `device`; BadInput if none."""
     seq_len, k = config.seq_len, config.accum_steps
     target = config.tokens_per_step
     if target is None and k is None:
@@ -136,7 +113,7 @@ def resolve_plan(
     )
     per_rank_seq = None if target is None else target // (seq_len * world_size)
     if target is not None and per_rank_seq < 1:
-        raise TrainConfigError(
+        raise BadInput(
             f"--tokens-per-step {target}: below one sequence of --seq-len {seq_len} on each of "
             f"{world_size} rank(s)"
         )
@@ -145,14 +122,14 @@ def resolve_plan(
     if micro == "auto" and target is not None and k is not None:
         micro, rest = divmod(target, seq_len * k * world_size)
         if rest or micro < 1:
-            raise TrainConfigError(
+            raise BadInput(
                 f"--tokens-per-step {target}: not a whole number of micro-batches of "
                 f"{seq_len}-token sequences x --accum-steps {k} x {world_size} rank(s)"
             )
     elif micro == "auto":
         micro = _auto_micro_batch(base, target, per_rank_seq, device)
     elif target is not None and k is not None and micro * seq_len * k * world_size != target:
-        raise TrainConfigError(
+        raise BadInput(
             f"--accum-steps {k}: --micro-batch {micro} x --seq-len {seq_len} x k x "
             f"{world_size} rank(s) is {micro * seq_len * k * world_size} tokens, not "
             f"--tokens-per-step {target}; give two of the three"
@@ -164,12 +141,9 @@ def resolve_plan(
         else {"total_tokens": config.max_tokens or DEFAULT_MAX_TOKENS}
     )
     batch = {"accum_steps": k} if k is not None else {"target_tokens": target}
-    try:
-        plan = make_plan(PlanInputs(micro_batch=micro, **batch, **length, **base))
-    except PlanError as err:
-        raise TrainConfigError(str(err)) from None
+    plan = make_plan(PlanInputs(micro_batch=micro, **batch, **length, **base))
     if plan.accum_steps > MAX_ACCUM_STEPS:
-        raise TrainConfigError(
+        raise BadInput(
             f"--tokens-per-step {plan.global_batch_tokens}: {plan.accum_steps:,} micro-batches "
             f"of {micro} x {seq_len} tokens per step, more than {MAX_ACCUM_STEPS:,}; "
             "use a larger --micro-batch or more ranks"
@@ -179,7 +153,7 @@ def resolve_plan(
     if warmup is None:
         warmup = min(100, steps // 10)
     elif warmup > steps:
-        raise TrainConfigError(f"--warmup-steps {warmup}: longer than the run ({steps} steps)")
+        raise BadInput(f"--warmup-steps {warmup}: longer than the run ({steps} steps)")
     return Resolved(plan=plan, warmup_steps=warmup)
 
 
@@ -189,16 +163,13 @@ def _auto_micro_batch(
     if base["device_memory"] is None:  # CPU (and MPS): no memory figure to fit into
         cap = max(1, CPU_MICRO_TOKENS // base["seq_len"])
         return _largest_power_of_two(min(cap, per_rank_seq or cap))
-    try:
-        if target is not None:
-            chosen = make_plan(PlanInputs(target_tokens=target, **base)).micro_batch
-            if chosen:
-                return chosen
-        fit = make_plan(PlanInputs(**base)).memory.max_micro_batch
-    except PlanError as err:
-        raise TrainConfigError(str(err)) from None
+    if target is not None:
+        chosen = make_plan(PlanInputs(target_tokens=target, **base)).micro_batch
+        if chosen:
+            return chosen
+    fit = make_plan(PlanInputs(**base)).memory.max_micro_batch
     if not fit:
-        raise TrainConfigError(
+        raise BadInput(
             f"--micro-batch auto: not even one sequence of {base['seq_len']} tokens fits in "
             f"{device}'s memory by the estimate; try --activation-checkpointing or a smaller "
             "--seq-len"

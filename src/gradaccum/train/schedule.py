@@ -8,7 +8,7 @@ Changing k changes how many micro-batches make a step, never the schedule.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 
 SCHEDULES = ("cosine", "linear", "constant")
 
@@ -25,6 +25,10 @@ class Schedule:
     """"cosine", "linear" (decay to min_ratio) or "constant" (no decay after warmup)."""
     min_ratio: float = 0.1
     """Fraction of the peak lr reached at the last step (cosine and linear)."""
+    stretches: tuple = ()
+    """(at_step, old_end, new_end) per resume that changed the run's length, oldest first:
+    steps before at_step keep the schedule they were trained with; the rest of it, from
+    at_step to old_end, is stretched (or squeezed) to end at new_end instead."""
 
     def __post_init__(self):
         if self.kind not in SCHEDULES:
@@ -38,11 +42,33 @@ class Schedule:
 
     def __call__(self, step: int) -> float:
         """The multiplier of the peak lr for the optimizer step after `step` steps taken."""
-        return lr_at(step, 1.0, self.total_steps, self.warmup_steps, self.kind, self.min_ratio)
+        t = float(step)
+        for at, old_end, new_end in reversed(self.stretches):
+            if t > at:  # map this step back onto the curve as it was before the stretch
+                t = old_end if old_end <= at else at + (t - at) * (old_end - at) / (new_end - at)
+        return lr_at(t, 1.0, self.total_steps, self.warmup_steps, self.kind, self.min_ratio)
+
+    @property
+    def end(self) -> int:
+        """The step the decay ends at, after every stretch."""
+        return self.stretches[-1][2] if self.stretches else self.total_steps
+
+    def stretched(self, at_step: int, new_end: int) -> Schedule:
+        """This schedule for a run whose length changes to `new_end` steps at `at_step`."""
+        if new_end == self.end:
+            return self
+        return replace(self, stretches=(*self.stretches, (at_step, self.end, new_end)))
+
+    def state_dict(self) -> dict:
+        return {**asdict(self), "stretches": [list(s) for s in self.stretches]}
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> Schedule:
+        return cls(**{**state, "stretches": tuple(tuple(s) for s in state["stretches"])})
 
 
 def lr_at(
-    step: int,
+    step: float,
     lr: float,
     total_steps: int,
     warmup_steps: int = 0,

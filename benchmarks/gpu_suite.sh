@@ -1,0 +1,149 @@
+#!/usr/bin/env bash
+# The checks that need a GPU, in one script, under 8 minutes on one H200 (the parts' time
+# limits add up to 470 s):
+#   1. equivalence on CUDA: the engine's window update against the exact float64 big batch in
+#      fp32, bf16 and fp16 (autocast), and DDP / FSDP2 under torchrun (benchmarks/gpu_equivalence.py);
+#   2. `gradaccum train --model gpt2-124m --precision bf16`: tokens/s and model FLOPs
+#      utilisation, (6N + 12 L d T) FLOPs per token over the device's peak;
+#   3. `gradaccum bench` against the Transformers Trainer on GPT-2 124M (from its config);
+#   4. fit against a hand-picked sweep of micro-batches at the same tokens/step
+#      (benchmarks/gpu_fit.py).
+# Results: $RESULTS/gpu_suite.json and $RESULTS/gpu_suite.md (RESULTS defaults to
+# benchmarks/results). Each part has its own time limit; one that fails or times out is
+# recorded as such and the others still run.
+#
+#   bash benchmarks/gpu_suite.sh              # PEAK_TFLOPS=989 (H200 dense bf16) by default
+#   PEAK_TFLOPS=312 bash benchmarks/gpu_suite.sh   # A100
+set -u
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+PEAK_TFLOPS=${PEAK_TFLOPS:-989}
+RESULTS=${RESULTS:-benchmarks/results}
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+mkdir -p "$RESULTS"
+started=$(date +%s)
+
+part() {  # part NAME SECONDS COMMAND...: run, keep its output, record its exit code
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name (at most ${limit}s)" >&2
+  timeout "$limit" "$@" >"$WORK/$name.out" 2>"$WORK/$name.err"
+  echo $? >"$WORK/$name.rc"
+  tail -n 3 "$WORK/$name.err" >&2
+}
+
+# 1. equivalence on CUDA ------------------------------------------------------------------
+part precision 60 "$PY" - "$WORK/precision.json" <<'PYEOF'
+import copy, json, sys
+import torch
+from gradaccum import Accumulator
+from gradaccum.bench.data import big_batch_gradient, make_windows, snapshot, update_error
+from gradaccum.train.model import build_model, causal_lm_loss
+
+dev = torch.device("cuda")
+torch.manual_seed(0)
+model, _ = build_model(preset="small", vocab_size=256, seq_len=256)
+model = model.to(dev)
+window = [{k: v.to(dev) for k, v in b.items()} for b in make_windows(1, 8, 8, 256, 256, 0)[0]]
+grad = big_batch_gradient(model, window)
+limits = {"fp32": 1e-5, "bf16": 3e-2, "fp16": 5e-3}
+cases = {}
+for precision, limit in limits.items():
+    m = copy.deepcopy(model)
+    acc = Accumulator(m, torch.optim.SGD(m.parameters(), lr=1.0), precision=precision)
+    before = snapshot(m)
+    for attempt in range(1, 6):  # fp16: the loss scale comes down on an overflow
+        if not acc.step(window, causal_lm_loss).skipped:
+            break
+    err = update_error(before, snapshot(m), grad)
+    cases[precision] = {"update_rel_err": err, "limit": limit, "windows": attempt,
+                        "passed": err <= limit}
+    print(precision, f"{err:.2e}", "ok" if err <= limit else "FAILED", file=sys.stderr)
+json.dump(cases, open(sys.argv[1], "w"), indent=2)
+sys.exit(0 if all(c["passed"] for c in cases.values()) else 1)
+PYEOF
+part ddp_fsdp2 60 "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 \
+  benchmarks/gpu_equivalence.py --device cuda --out "$WORK/ddp_fsdp2.json"
+
+# 2. train GPT-2 124M in bf16 ------------------------------------------------------------
+part train 100 "$PY" -m gradaccum train --model gpt2-124m --precision bf16 --seq-len 1024 \
+  --micro-batch 16 --tokens-per-step 262144 --max-steps 12 --eval-every 0 --save-every 0 \
+  --device cuda --out "$WORK/train-run" --json
+
+# 3. bench against the Trainer on GPT-2 124M ----------------------------------------------
+"$PY" -c "from transformers import GPT2Config; GPT2Config().save_pretrained('$WORK/gpt2')"
+part bench 100 "$PY" -m gradaccum bench --model-config "$WORK/gpt2/config.json" --peers trainer \
+  --micro-batch 8 --accum-steps 4 --seq-len 1024 --rounds 3 --windows 3 --device cuda --json
+
+# 4. fit against a hand-picked sweep ------------------------------------------------------
+# benchmarks/gpu_fit.py: fit's search, then a hand loop timing every micro-batch of the sweep
+# and fit's choice, side by side.
+part fit 150 "$PY" benchmarks/gpu_fit.py --device cuda --seq-len 1024 --tokens-per-step 512k \
+  --sweep 4,8,16,32,64 --steps 3 --out "$WORK/fit"
+
+# results ---------------------------------------------------------------------------------
+"$PY" - "$WORK" "$RESULTS" "$PEAK_TFLOPS" "$started" <<'PYEOF'
+import json, os, sys, time
+import torch
+from gradaccum.atomic import write_text_atomic
+
+work, results, peak, started = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
+
+def read(name):
+    rc = int(open(os.path.join(work, name + ".rc")).read().strip() or 1)
+    text = open(os.path.join(work, name + ".out")).read()
+    err = open(os.path.join(work, name + ".err")).read().strip().splitlines()
+    status = "ok" if rc == 0 else ("timed out" if rc == 124 else f"exit {rc}")
+    try:
+        data = json.loads(text) if text.strip() else None
+    except ValueError:
+        data = None
+    return {"status": status, "json": data, "last_line": err[-1] if err else ""}
+
+def load(path):
+    return json.load(open(path)) if os.path.exists(path) else None
+
+out = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device", "torch": torch.__version__,
+       "peak_tflops": peak, "wall_s": round(time.time() - started)}
+out["precision"] = {**read("precision"), "json": load(os.path.join(work, "precision.json"))}
+out["ddp_fsdp2"] = {**read("ddp_fsdp2"), "json": load(os.path.join(work, "ddp_fsdp2.json"))}
+train = read("train")
+if train["json"]:
+    s = train["json"]
+    flops_per_token = 6 * s["params"] + 12 * 12 * 768 * 1024  # 6N + 12 L d T
+    train["mfu"] = s["tokens_per_s"] * flops_per_token / (peak * 1e12)
+out["train"] = train
+out["bench"] = read("bench")
+out["fit"] = {**read("fit"), "json": load(os.path.join(work, "fit", "gpu_fit.json"))}
+write_text_atomic(os.path.join(results, "gpu_suite.json"), json.dumps(out, indent=2))
+
+md = [f"# GPU suite: {out['device']}, torch {out['torch']}, {out['wall_s']} s", ""]
+md += ["| part | status | figures |", "| --- | --- | --- |"]
+p = out["precision"]["json"] or {}
+md.append(f"| engine vs float64 big batch | {out['precision']['status']} | " + ", ".join(
+    f"{k} {v['update_rel_err']:.1e}" for k, v in p.items()) + " |")
+cases = (out["ddp_fsdp2"]["json"] or {}).get("cases", [])
+md.append(f"| DDP / FSDP2 vs one process | {out['ddp_fsdp2']['status']} | "
+          + ", ".join(f"{c.get('wrapper')} {c.get('grad_rel_error', float('nan')):.1e}"
+                      for c in cases) + " |")
+if train["json"]:
+    s = train["json"]
+    md.append(f"| train gpt2-124m bf16 | ok | {s['tokens_per_s']:,.0f} tokens/s, "
+              f"MFU {train['mfu']:.1%} of {peak:g} TFLOP/s |")
+else:
+    md.append(f"| train gpt2-124m bf16 | {train['status']} | {train['last_line']} |")
+b = out["bench"]["json"]
+if b:
+    md.append(f"| bench GPT-2 124M | ok | " + "; ".join(
+        f"{r['name']} {r['tokens_per_s'] or 0:,.0f} tok/s, err {r['update_rel_err'] or 0:.1e}"
+        for r in b["results"] if not r["skipped"]) + f"; overhead ratio {b['overhead_ratio']:.3f} |")
+else:
+    md.append(f"| bench GPT-2 124M | {out['bench']['status']} | {out['bench']['last_line']} |")
+fit = out["fit"]
+md.append(f"| fit vs hand-picked sweep (gpu_fit.py) | {fit['status']} | "
+          + (json.dumps({k: v for k, v in fit["json"].items() if not isinstance(v, (list, dict))})[:300]
+             if fit["json"] else fit["last_line"]) + " |")
+write_text_atomic(os.path.join(results, "gpu_suite.md"), "\n".join(md) + "\n")
+print("\n".join(md))
+PYEOF

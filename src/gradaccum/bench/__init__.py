@@ -1,0 +1,28 @@
+"""`gradaccum bench`: the engine against the loops a user would pick, side by side.
+
+One model (the built-in GPT, or a Hugging Face causal LM from its config), one data set with
+ragged valid lengths, one (micro-batch, k), through: gradaccum's `Accumulator`; the shortest
+hand-written loop (each micro-batch's mean loss / k); and, where installed, Accelerate's
+`accumulate`, the Transformers Trainer with `gradient_accumulation_steps` and Lightning's
+`accumulate_grad_batches`. All start from the same weights with the same optimizer and see
+the same micro-batches in the same order.
+
+Two figures per contestant:
+- tokens/s: valid (labelled) tokens over the wall time of `windows` optimizer steps, after one
+  untimed step; the contestants' order alternates from round to round; the median over the
+  rounds, its spread, and the ratio to the hand loop in the same round (median);
+- update error: after one SGD step at lr 1 from the initial weights, the update is the
+  gradient the contestant formed; its distance to the exact big-batch gradient (one float64
+  forward over the window's rows, loss summed over valid tokens / N), relative to that
+  gradient's norm.
+Peak memory (its own weights, optimizer state, gradients and activations) where the device
+reports it (not on CPU).
+"""
+
+from __future__ import annotations
+
+from .config import PEERS, BenchConfig
+from .measure import run_bench
+from .report import render_table, to_json
+
+__all__ = ["PEERS", "BenchConfig", "render_table", "run_bench", "to_json"]

@@ -1,0 +1,254 @@
+"""Run the contestants side by side: each one's update against the exact big batch, then
+tokens/s over several rounds in alternating order."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import logging
+import shutil
+import statistics
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import devices
+from ..errors import BadInput, first_line
+from ..train.model import build_model
+from .config import BenchConfig
+from .data import (
+    big_batch_gradient,
+    make_windows,
+    no_dropout,
+    snapshot,
+    to_device,
+    update_error,
+    valid_tokens,
+)
+from .loops import CONTESTANTS, Contestant, Run, Setup
+
+VOCAB = 256
+"""Vocabulary of the built-in GPT here: the data are random ids, no tokenizer involved."""
+
+TIMING_LR = 1e-4
+"""AdamW's learning rate in the timing runs (it does not change the cost)."""
+
+
+@dataclass
+class Prepared:
+    """A contestant's loop around its own copy of the model and its own optimizer."""
+
+    run: Run
+    optimizer: torch.optim.Optimizer
+    params: list[torch.Tensor]
+    steps: int = 0
+    """Optimizer steps taken so far (counted by a hook on the optimizer)."""
+
+    def resident_bytes(self) -> int:
+        """Bytes of its weights and optimizer state (activations and gradients show in the
+        peak during a run)."""
+        total = sum(p.numel() * p.element_size() for p in self.params)
+        for state in self.optimizer.state.values():
+            total += sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t))
+        return total
+
+
+@dataclass
+class Entry:
+    """One contestant's figures; a skipped one has only its reason."""
+
+    contestant: Contestant
+    skipped: str | None = None
+    update_rel_err: float | None = None
+    tokens_per_s: list[float] = field(default_factory=list)
+    ratios: list[float] = field(default_factory=list)
+    peak_bytes: int | None = None
+    prepared: Prepared | None = None
+    """The contestant's loop, model copy and optimizer while it is being measured."""
+
+
+def resolve_device(text: str) -> torch.device:
+    """The device --device names, or BadInput when it is unknown or not on this machine."""
+    if text != "auto":
+        kind = text.split(":", 1)[0]
+        try:
+            present = devices.available(kind)
+        except ValueError:
+            raise BadInput(
+                "--device", text, "unknown device; choose cpu, cuda, cuda:1, npu, mps, xpu or auto"
+            ) from None
+        if not present:
+            raise BadInput("--device", text, "not available on this machine")
+    try:
+        return devices.resolve(text)
+    except (RuntimeError, ValueError):
+        raise BadInput("--device", text, "not a device name (cuda:1, cpu, ...)") from None
+
+
+def build(cfg: BenchConfig, device: torch.device) -> tuple[torch.nn.Module, object]:
+    """The model every contestant starts from, seeded, dropout off, on the device."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        if cfg.model_config is not None:  # raises BadInput naming --model-config
+            model, info = build_model(config_path=cfg.model_config, seq_len=cfg.seq_len)
+        else:
+            model, info = build_model(preset=cfg.model, vocab_size=VOCAB, seq_len=cfg.seq_len)
+    return no_dropout(model).to(device), info
+
+
+@contextlib.contextmanager
+def quiet():
+    """Peers print banners, tips, warnings and end-of-training dicts; none of it is ours."""
+    names = ("lightning", "lightning.pytorch", "lightning.fabric", "pytorch_lightning")
+    names += ("transformers", "accelerate")
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    try:
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with (
+                contextlib.redirect_stdout(io.StringIO()),
+                contextlib.redirect_stderr(io.StringIO()),
+            ):
+                yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
+def timed_run(prepared: Prepared, windows, device: torch.device) -> tuple[float, int | None]:
+    """Seconds over all windows but the first (the warm-up), and peak memory in bytes."""
+    ticks: list[float] = []
+
+    def tick():
+        devices.synchronize(device)
+        ticks.append(time.perf_counter())
+
+    devices.reset_peak_memory(device)
+    before = devices.peak_memory_bytes(device)  # right after a reset: what is allocated now
+    start = prepared.steps
+    with quiet():
+        prepared.run(windows, tick)
+    taken = prepared.steps - start
+    if taken != len(windows) or len(ticks) != len(windows):
+        raise RuntimeError(f"took {taken} optimizer steps for {len(windows)} windows")
+    peak = devices.peak_memory_bytes(device)
+    own = None if peak is None or before is None else peak - before + prepared.resident_bytes()
+    return ticks[-1] - ticks[0], own
+
+
+def prepare(contestant: Contestant, model0, setup: Setup, sgd: bool) -> tuple:
+    """A copy of the initial model and a fresh optimizer (SGD at lr 1, or AdamW), handed to
+    the contestant; returns the copy and the prepared loop."""
+    model = copy.deepcopy(model0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if sgd:
+        optimizer = torch.optim.SGD(params, lr=1.0)
+    else:
+        optimizer = torch.optim.AdamW(params, lr=TIMING_LR)
+    with quiet():
+        run = contestant.make(model, optimizer, setup)
+    prepared = Prepared(run, optimizer, params)
+
+    def count(opt, args, kwargs):
+        prepared.steps += 1
+
+    optimizer.register_step_post_hook(count)
+    return model, prepared
+
+
+def measure_error(entry: Entry, model0, window, grad, setup: Setup) -> None:
+    """One SGD step at lr 1 on one window: the update is the gradient the contestant formed."""
+    model, prepared = prepare(entry.contestant, model0, setup, sgd=True)
+    before = snapshot(model)
+    timed_run(prepared, [window], setup.device)
+    entry.update_rel_err = update_error(before, snapshot(model), grad)
+
+
+def run_bench(cfg: BenchConfig, progress=None) -> tuple[list[Entry], dict]:
+    """Every contestant on the same model, data and k; entries in table order and the
+    config as the JSON reports it."""
+    device = resolve_device(cfg.device)
+    model0, info = build(cfg, device)
+    vocab = VOCAB if cfg.model_config is None else info.vocab_size
+    windows = make_windows(
+        cfg.windows + 1, cfg.accum_steps, cfg.micro_batch, cfg.seq_len, vocab, cfg.seed
+    )
+    windows = to_device(windows, device)
+    grad = big_batch_gradient(model0, windows[0])
+    chosen = [c for c in CONTESTANTS if c.name in ("gradaccum", "hand-loop") + tuple(cfg.peers)]
+    entries = [Entry(c, skipped=c.missing()) for c in chosen]
+    workdir = tempfile.mkdtemp(prefix="gradaccum-bench-")
+    try:
+        setup = Setup(device, cfg.accum_steps, workdir, cfg.seed)
+        for entry in entries:
+            _attempt(entry, lambda e=entry: measure_error(e, model0, windows[0], grad, setup))
+            if entry.skipped is None:
+                _attempt(entry, lambda e=entry: _prepare_timing(e, model0, setup))
+        _rounds(entries, windows, cfg.rounds, device, progress)
+    finally:
+        for entry in entries:
+            entry.prepared = None
+        shutil.rmtree(workdir, ignore_errors=True)
+    config = {
+        "model": cfg.model_name,
+        "micro_batch": cfg.micro_batch,
+        "accum_steps": cfg.accum_steps,
+        "seq_len": cfg.seq_len,
+        "rounds": cfg.rounds,
+        "device": str(device),
+        "torch": torch.__version__,
+    }
+    return entries, config
+
+
+def _prepare_timing(entry: Entry, model0, setup: Setup) -> None:
+    _, entry.prepared = prepare(entry.contestant, model0, setup, sgd=False)
+
+
+def _attempt(entry: Entry, fn) -> None:
+    """Run `fn`; a peer that fails is listed as skipped with its error, not a crash."""
+    if entry.skipped is not None:
+        return
+    try:
+        fn()
+    except Exception as err:  # a peer's own error, in whatever type it raises
+        if entry.contestant.name in ("gradaccum", "hand-loop"):
+            raise
+        entry.skipped = f"failed: {first_line(err)}"
+        entry.prepared = None
+
+
+def _rounds(entries: list[Entry], windows, rounds: int, device, progress) -> None:
+    tokens = valid_tokens(windows[1:])
+    for r in range(rounds):
+        live = [e for e in entries if e.skipped is None]
+        order = live if r % 2 == 0 else live[::-1]
+        tps = {}
+        for entry in order:
+            _attempt(entry, lambda e=entry, t=tps: _one_timing(e, windows, device, tokens, t))
+        hand = tps.get("hand-loop")
+        for entry in live:
+            if entry.contestant.name in tps and hand:
+                entry.ratios.append(tps[entry.contestant.name] / hand)
+        if progress is not None:
+            progress(r + 1, rounds, tps)
+
+
+def _one_timing(entry: Entry, windows, device, tokens: int, tps: dict) -> None:
+    seconds, peak = timed_run(entry.prepared, windows, device)
+    rate = tokens / seconds
+    entry.tokens_per_s.append(rate)
+    tps[entry.contestant.name] = rate
+    if peak is not None:
+        entry.peak_bytes = max(entry.peak_bytes or 0, peak)
+
+
+def median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None

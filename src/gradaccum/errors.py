@@ -1,0 +1,46 @@
+"""Bad input from the user: one exception type, one line, exit code 2, no traceback.
+
+Every part of the project (planner, trainer, fit, verify, bench) raises `BadInput` for a value
+that cannot work; the command line prints its message as one line and exits 2. No torch here:
+the planner imports it.
+"""
+
+from __future__ import annotations
+
+
+class BadInput(ValueError):
+    """A flag (or argument) with a value that cannot work: `--micro-batch 0: must be >= 1`.
+
+    `flag` and `value` are kept for callers that want them; `str(err)` is the whole line.
+    A ready-made line (`BadInput("--resume: needs --out")`) keeps its first word as the flag.
+    """
+
+    def __init__(self, flag: str | None, value=None, why: str | None = None):
+        self.value = value
+        self.why = why
+        if why is None:  # a ready-made line: BadInput("--resume: needs --out")
+            message = str(flag)
+            first = message.split(" ", 1)[0].rstrip(":")
+            flag = first if first.startswith("--") else None
+        elif value is None:
+            message = f"{flag}: {why}"
+        else:
+            message = f"{flag} {value}: {why}"
+        self.flag = flag
+        super().__init__(message)
+
+
+class RanksLost(RuntimeError):
+    """Under torchrun, the other ranks stopped answering (one died or hangs): one line, exit 1."""
+
+
+def flag_name(field: str) -> str:
+    """The command-line flag of a config field: micro_batch -> --micro-batch."""
+    return "--" + field.replace("_", "-")
+
+
+def first_line(err: BaseException) -> str:
+    """An exception's first line of text, or its type's name when it has none: for a library's
+    error quoted inside a one-line message."""
+    text = str(err).strip()
+    return text.splitlines()[0].strip() if text else type(err).__name__

@@ -1,0 +1,722 @@
+"""The micro-batch that fits and runs fastest, measured; k keeps the tokens per step.
+
+`find_micro_batch` runs real training steps (forward, backward and the optimizer step, through
+the engine) at growing micro-batch sizes: it doubles the size until one does not fit, then
+bisects between the last that fit and the first that did not. A size does not fit when the
+device raises an out-of-memory error (caught by type, `devices.out_of_memory_errors`) or when
+the memory it measured is over the budget. After an out-of-memory error the step's outputs
+are dropped, the gradients set to None, the loss scaler reset, garbage collected and the device
+cache emptied, and the search goes on.
+
+Memory is measured, not estimated:
+- on accelerators, the allocator's peak over one steady step (optimizer state already held);
+- on CPU, the exact bytes of parameters, gradients, buffers and optimizer state (unique
+  storages), plus the activations: the bytes of the unique storages autograd saves for
+  backward, counted with saved-tensor hooks. Under activation checkpointing the first
+  checkpointed block is counted whole, because backward recomputes one block at a time and
+  one block's activations are what checkpointing cannot drop.
+
+The sizes doubling reached that fit, and the largest that fit, are then timed, with
+activation checkpointing off and on (on: from the largest size that fit without it upward,
+where checkpointing buys a larger micro-batch). The global batch comes first: when some sizes
+land within 1% of the target, only they compete. The fastest wins; among the candidates within
+measurement noise of it, the one with the lowest peak memory (the most headroom). Then
+k = round(target / (micro x seq_len x world)), at least 1, the rule `gradaccum plan` uses.
+
+Under torchrun every rank probes the same sizes: each probe's out-of-memory flag is agreed
+with a MAX all-reduce, and the chosen size with a MIN (checkpointing with a MAX), so no rank
+ever waits alone in a collective.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import statistics
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from . import devices, sync
+from .engine import Accumulator
+from .errors import BadInput
+from .plan import accum_steps_for
+from .plan.sizes import fmt_bytes, fmt_int
+from .precision import LossScaler
+
+NOISE_FLOOR = 0.03
+"""Relative tokens/s difference under which two candidates count as equally fast."""
+MAX_NOISE = 0.10
+"""The most that measurement noise may excuse: a candidate 10% slower than the fastest never
+counts as equally fast, however noisy the machine."""
+
+TIMED_SECONDS = 0.6
+"""Seconds of timed steps per candidate (at least MIN_TIMED_STEPS steps, at most
+MAX_TIMED_STEPS)."""
+MIN_TIMED_STEPS = 2
+MAX_TIMED_STEPS = 8
+
+BISECT_RESOLUTION = 16
+"""Bisection stops once the gap between fitting and not is at most 1/16 of the size."""
+
+
+def out_of_memory_errors() -> tuple[type[BaseException], ...]:
+    """The exception types that mean 'out of device memory' (torch's and the NPU's)."""
+    return devices.out_of_memory_errors()
+
+
+@dataclass
+class MemoryUse:
+    """What one training step held at its peak, in bytes, by term."""
+
+    params: int
+    """Parameters (unique storages: tied weights once)."""
+    grads: int
+    """Gradients: the .grad tensors, plus the engine's fp32 buffers for 16-bit parameters."""
+    buffers: int
+    """Module buffers (masks, running statistics)."""
+    optimizer: int
+    """Optimizer state (AdamW: two moments and a step count per parameter)."""
+    activations: int
+    """CPU: unique storages saved for backward. Accelerators: the peak less the terms above."""
+    peak: int
+    """The whole: the allocator's peak on accelerators, the sum of the five terms on CPU."""
+    source: str
+    """How the peak was measured: 'saved tensors' (CPU) or 'allocator peak'."""
+
+    @property
+    def state(self) -> int:
+        """The part that does not grow with the micro-batch."""
+        return self.params + self.grads + self.buffers + self.optimizer
+
+
+@dataclass
+class Candidate:
+    """One micro-batch size tried, with activation checkpointing off or on."""
+
+    micro_batch: int
+    """Sequences per micro-step on each rank."""
+    checkpointing: bool
+    """Activation checkpointing on."""
+    fits: bool
+    """Ran without running out of memory and within the budget, on every rank."""
+    why: str = ""
+    """Why it does not fit: 'out of memory' or 'over budget'; '' when it fits."""
+    memory: MemoryUse | None = None
+    """Measured memory; None after an out-of-memory error."""
+    tokens_per_s: float | None = None
+    """Training tokens per second on this rank (forward, backward, optimizer step) of the
+    fastest timed step; None when not timed (the smaller sizes bisection tried)."""
+    noise: float = NOISE_FLOOR
+    """Relative spread of the timed steps, (median - fastest) / median, at least NOISE_FLOOR."""
+
+    @property
+    def peak_memory_bytes(self) -> int | None:
+        return None if self.memory is None else self.memory.peak
+
+    def to_dict(self) -> dict:
+        peak = self.peak_memory_bytes
+        return {
+            "micro_batch": self.micro_batch,
+            "checkpointing": self.checkpointing,
+            "fits": self.fits,
+            "tokens_per_s": self.tokens_per_s,
+            "peak_memory_gb": None if peak is None else peak / 1e9,
+        }
+
+
+@dataclass
+class FitResult:
+    """The micro-batch chosen, the k that keeps the target, and every candidate tried."""
+
+    micro_batch: int
+    """Sequences per micro-step on each rank (the same on every rank)."""
+    accum_steps: int
+    """k = round(target / (micro_batch x seq_len x world)), at least 1."""
+    checkpointing: bool
+    """Train with activation checkpointing on."""
+    tokens_per_s: float | None
+    """Measured training tokens per second of the chosen candidate, on this rank."""
+    memory: MemoryUse | None
+    """Measured memory of the chosen candidate."""
+    seq_len: int
+    """Tokens per sequence."""
+    world_size: int
+    """Ranks."""
+    target_tokens: int
+    """Tokens per optimizer step asked for (all ranks together)."""
+    budget_bytes: int | None
+    """The memory bound of the search, when there was one."""
+    candidates: list[Candidate] = field(default_factory=list)
+    """Every size probed, in the order probed."""
+
+    @property
+    def global_batch_tokens(self) -> int:
+        """micro_batch x seq_len x k x world: the tokens per step the run really takes."""
+        return self.micro_batch * self.seq_len * self.accum_steps * self.world_size
+
+    @property
+    def target_deviation(self) -> float:
+        """(global - target) / target, a signed fraction."""
+        return (self.global_batch_tokens - self.target_tokens) / self.target_tokens
+
+    @property
+    def peak_memory_bytes(self) -> int | None:
+        return None if self.memory is None else self.memory.peak
+
+    def to_dict(self) -> dict:
+        """The `gradaccum fit --json` object."""
+        peak = self.peak_memory_bytes
+        return {
+            "micro_batch": self.micro_batch,
+            "accum_steps": self.accum_steps,
+            "checkpointing": self.checkpointing,
+            "tokens_per_s": self.tokens_per_s,
+            "peak_memory_gb": None if peak is None else peak / 1e9,
+            "global_batch_tokens": self.global_batch_tokens,
+            "candidates": [c.to_dict() for c in self.candidates],
+        }
+
+
+class NothingFits(BadInput):
+    """Not even one sequence per micro-batch fits; `needs` is what micro-batch 1 measured
+    (bytes), None when the device ran out of memory before it could be measured."""
+
+    def __init__(self, flag: str, value, why: str, needs: int | None):
+        super().__init__(flag, value, why)
+        self.needs = needs
+
+
+# ---- memory, measured ----------------------------------------------------------------------
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+    st = t.untyped_storage()
+    return str(st.device), st.data_ptr()
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the unique storages behind `tensors` (views and tied weights counted once)."""
+    sizes = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            sizes[_storage_key(t)] = t.untyped_storage().nbytes()
+    return sum(sizes.values())
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer):
+    """Every tensor the optimizer keeps as state."""
+    for state in optimizer.state.values():
+        yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+
+
+class SavedTensorCounter:
+    """Counts the bytes autograd saves for backward: unique storages, parameters excluded.
+
+    `with counter.hooks(): loss = ...` counts what the forward inside saves. `watch(module)`
+    counts what `module`'s own forward saves even under activation checkpointing, whose
+    hooks would otherwise take those tensors first (the innermost saved-tensor hooks win):
+    that module then keeps its activations, as one block does while backward recomputes it.
+    """
+
+    def __init__(self, exclude: set[tuple[str, int]]):
+        self.exclude = exclude
+        self.sizes: dict[tuple[str, int], int] = {}
+        self._open: list = []
+
+    @property
+    def total(self) -> int:
+        return sum(self.sizes.values())
+
+    def _pack(self, x: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(x)
+        if key not in self.exclude:
+            self.sizes[key] = x.untyped_storage().nbytes()
+        return x
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def _enter(self, *_):
+        ctx = self.hooks()
+        ctx.__enter__()
+        self._open.append(ctx)
+
+    def _exit(self, *_):
+        if self._open:
+            self._open.pop().__exit__(None, None, None)
+
+    def watch(self, module: torch.nn.Module) -> list:
+        """Count inside `module`'s forward too; returns hook handles to `.remove()`.
+
+        The hooks go on its children: a block may checkpoint inside its own forward (as
+        Hugging Face layers do), and only what runs inside the checkpoint is innermost."""
+        handles = []
+        for child in list(module.children()) or [module]:
+            handles.append(child.register_forward_pre_hook(self._enter))
+            handles.append(child.register_forward_hook(self._exit))
+        return handles
+
+    def close(self) -> None:
+        """Leave any hooks a forward that raised left open."""
+        while self._open:
+            self._exit()
+
+
+def _unpack(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def first_block(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The first transformer block: element 0 of the longest ModuleList (None if none)."""
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
+    return max(lists, key=len)[0] if lists else None
+
+
+def set_checkpointing(model: torch.nn.Module, enabled: bool) -> bool:
+    """Turn activation checkpointing on or off; False when the model cannot do it."""
+    inner = getattr(model, "module", model)  # DDP
+    if hasattr(inner, "set_activation_checkpointing"):  # the built-in GPT
+        inner.set_activation_checkpointing(enabled)
+        return True
+    for on, off, kwargs in (  # Hugging Face: the newer names first
+        ("activation_checkpointing_enable", "activation_checkpointing_disable", "activation"),
+        ("gradient_checkpointing_enable", "gradient_checkpointing_disable", "gradient"),
+    ):
+        if hasattr(inner, on):
+            if enabled:
+                options = {f"{kwargs}_checkpointing_kwargs": {"use_reentrant": False}}
+                getattr(inner, on)(**options)
+            else:
+                getattr(inner, off)()
+            return True
+    return False
+
+
+def checkpointing_enabled(model: torch.nn.Module) -> bool:
+    inner = getattr(model, "module", model)
+    if hasattr(inner, "activation_checkpointing"):
+        return bool(inner.activation_checkpointing)
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(inner), name):
+            return bool(getattr(inner, name))
+    return False
+
+
+def _snapshot(model: torch.nn.Module) -> dict:
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+
+def _default_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+
+
+# ---- one probe -------------------------------------------------------------------------
+
+
+class _Prober:
+    """Runs measured and timed training steps of one window of one micro-batch."""
+
+    def __init__(self, model, make_batch, loss_fn, precision, make_optimizer, budget, seq_len):
+        self.model, self.make_batch, self.loss_fn = model, make_batch, loss_fn
+        self.precision, self.budget, self.seq_len = precision, budget, seq_len
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("find_micro_batch: the model has no parameters that require grad")
+        device = self.device = self.params[0].device
+        self.counted = device.type in ("cpu", "mps")  # no allocator peak to read there
+        self.exclude = {_storage_key(t) for t in (*model.parameters(), *model.buffers())}
+        self.block = first_block(model)
+        self._grads: dict[tuple[str, int], int] = {}
+        # Before the Accumulator's own hooks, which free 16-bit gradients into fp32 buffers.
+        self._handles = [p.register_post_accumulate_grad_hook(self._record) for p in self.params]
+        self.optimizer = make_optimizer(model)
+        self.acc = Accumulator(model, self.optimizer, precision=precision)
+
+    def _record(self, p: torch.Tensor) -> None:
+        if p.grad is not None:
+            self._grads[_storage_key(p.grad)] = p.grad.untyped_storage().nbytes()
+
+    def close(self) -> None:
+        """Remove the hooks and free the probe's gradients and optimizer state."""
+        for h in self._handles:
+            h.remove()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.state.clear()
+
+    def step(self, micro_batch: int, counter: SavedTensorCounter | None = None) -> float:
+        """One training step (one window of one micro-batch); its seconds."""
+        batch = self.make_batch(micro_batch)
+        loss_fn = self.loss_fn
+        if counter is not None:
+
+            def loss_fn(model, batch, inner=self.loss_fn):
+                try:
+                    with counter.hooks():
+                        return inner(model, batch)
+                finally:
+                    counter.close()
+
+        devices.synchronize(self.device)
+        start = time.perf_counter()
+        self.acc.step([batch], loss_fn)
+        devices.synchronize(self.device)
+        return time.perf_counter() - start
+
+    def _state(self) -> dict:
+        low = sum(4 * p.numel() for p in self.params if p.dtype in (torch.bfloat16, torch.float16))
+        return {
+            "params": storage_bytes(self.model.parameters()),
+            "grads": sum(self._grads.values()) + low,  # + the engine's fp32 buffers
+            "buffers": storage_bytes(self.model.buffers()),
+            "optimizer": storage_bytes(optimizer_tensors(self.optimizer)),
+        }
+
+    def measure(self, micro_batch: int) -> MemoryUse:
+        """Run one step at `micro_batch` and measure its memory (see the module docstring)."""
+        self._grads.clear()
+        if not self.counted:
+            if not self.optimizer.state:  # the optimizer state of a steady step, held before
+                self.step(micro_batch)
+            devices.reset_peak_memory(self.device)
+            self.step(micro_batch)
+            state = self._state()
+            peak = devices.peak_memory_bytes(self.device)
+            rest = max(0, peak - sum(state.values()))
+            return MemoryUse(**state, activations=rest, peak=peak, source="allocator peak")
+        counter = SavedTensorCounter(self.exclude)
+        watch = self.block is not None and checkpointing_enabled(self.model)
+        handles = counter.watch(self.block) if watch else []
+        try:
+            self.step(micro_batch, counter)
+        finally:
+            for h in handles:
+                h.remove()
+        state = self._state()
+        total = sum(state.values()) + counter.total
+        return MemoryUse(**state, activations=counter.total, peak=total, source="saved tensors")
+
+    def recover(self) -> None:
+        """After an out-of-memory error: nothing of the failed step may stay allocated."""
+        self.acc.abandon_window()  # the engine's seam: partial gradients dropped, nothing counted
+        self.optimizer.zero_grad(set_to_none=True)
+        self.acc.scaler = LossScaler(enabled=self.precision == "fp16")
+        gc.collect()
+        devices.empty_cache(self.device)
+
+    def probe(self, micro_batch: int, checkpointing: bool) -> Candidate:
+        """Measure one size; every rank agrees whether it fits (one MAX all-reduce)."""
+        set_checkpointing(self.model, checkpointing)
+        use, failed = None, False
+        try:
+            use = self.measure(micro_batch)
+        except out_of_memory_errors():
+            failed = True  # recover outside the handler: its traceback holds the step's tensors
+        if failed:
+            use = None
+            self.recover()
+        over = use is not None and self.budget is not None and use.peak > self.budget
+        verdict = sync.max_over_ranks(2 if failed else int(over))
+        why = {0: "", 1: "over budget", 2: "out of memory"}[verdict]
+        return Candidate(micro_batch, checkpointing, verdict == 0, why, use)
+
+    def time(self, cand: Candidate) -> None:
+        """Time a candidate that fit: one warm-up step, then about TIMED_SECONDS of steps."""
+        set_checkpointing(self.model, cand.checkpointing)
+        times, failed = [], False
+        try:
+            first = self.step(cand.micro_batch)
+            n = min(MAX_TIMED_STEPS, max(MIN_TIMED_STEPS, math.ceil(TIMED_SECONDS / first)))
+            n = sync.max_over_ranks(n)  # ranks step together under DDP
+            times = [self.step(cand.micro_batch) for _ in range(n)]
+        except out_of_memory_errors():
+            failed = True
+        if failed:
+            self.recover()
+        if sync.max_over_ranks(int(failed)):
+            cand.fits, cand.why = False, "out of memory"
+            return
+        # Other work on the machine only ever adds time: the fastest step is the measure.
+        fastest, median = min(times), statistics.median(times)
+        cand.tokens_per_s = cand.micro_batch * self.seq_len / fastest
+        cand.noise = max(NOISE_FLOOR, (median - fastest) / median)
+
+
+# ---- the search ----------------------------------------------------------------------------
+
+
+def largest_fitting(fits: Callable[[int], bool], cap: int, start: int = 1, stop=None) -> int:
+    """The largest size <= cap that fits: double from `start` until one does not fit (or cap is
+    reached), then bisect between the last that fit and the first that did not, to within
+    1/BISECT_RESOLUTION of the size. 0 if none of the sizes tried fits. `stop()` true ends the search early with the best so far."""
+    good, bad, size = 0, None, min(start, cap)
+    while bad is None:
+        if good and stop is not None and stop():
+            return good
+        if fits(size):
+            good = size
+            if size == cap:
+                return good
+            size = min(2 * size, cap)
+        else:
+            bad = size
+    while bad - good > max(1, good // BISECT_RESOLUTION):
+        if good and stop is not None and stop():
+            break
+        mid = (good + bad) // 2
+        if fits(mid):
+            good = mid
+        else:
+            bad = mid
+    return good
+
+
+def _search(prober: _Prober, cap: int, try_checkpointing: bool, stop) -> list[Candidate]:
+    """Probe without checkpointing from 1 up, then with it from the largest that fit up."""
+    tried: list[Candidate] = []
+
+    def fits(checkpointing: bool) -> Callable[[int], bool]:
+        def probe(micro_batch: int) -> bool:
+            tried.append(prober.probe(micro_batch, checkpointing))
+            return tried[-1].fits
+
+        return probe
+
+    largest = largest_fitting(fits(False), cap, 1, stop)
+    if try_checkpointing and set_checkpointing(prober.model, False):
+        if largest or not stop():
+            largest_fitting(fits(True), cap, max(1, largest), stop)
+    return tried
+
+
+def choose(candidates: list[Candidate], lands=None) -> Candidate | None:
+    """The candidate to train with, or None when none fits.
+
+    The global batch comes first: when some timed sizes land within 1% of the target
+    (`lands(micro_batch)`), only they compete. Of those, the fastest; among the ones within
+    its measurement noise (at most MAX_NOISE) of it, the lowest peak memory (the most
+    headroom). With no size timed: the largest that fits."""
+    timed = [c for c in candidates if c.fits and c.tokens_per_s]
+    if not timed:
+        fitting = [c for c in candidates if c.fits]
+        return max(fitting, key=lambda c: (c.micro_batch, not c.checkpointing), default=None)
+    landing = [c for c in timed if lands is not None and lands(c.micro_batch)]
+    pool = landing or timed
+    best = max(pool, key=lambda c: c.tokens_per_s)
+    tolerance = min(best.noise, MAX_NOISE)
+    close = [c for c in pool if c.tokens_per_s >= best.tokens_per_s * (1 - tolerance)]
+    return min(close, key=lambda c: (c.peak_memory_bytes, -c.tokens_per_s))
+
+
+def to_time(candidates: list[Candidate]) -> list[Candidate]:
+    """The candidates worth timing: per checkpointing setting, every size doubling reached
+    that fit, and the largest that fit (not the sizes bisection tried on the way). The
+    largest first, so that under a time limit the likeliest winners are timed."""
+    chosen = []
+    for checkpointing in (False, True):
+        fit = [c for c in candidates if c.fits and c.checkpointing == checkpointing]
+        top = max((c.micro_batch for c in fit), default=0)
+        start = min((c.micro_batch for c in fit), default=0)
+        doubled = {start << i for i in range(64) if start << i <= top}
+        seen = set()
+        for c in fit:
+            if (c.micro_batch in doubled or c.micro_batch == top) and c.micro_batch not in seen:
+                seen.add(c.micro_batch)
+                chosen.append(c)
+    return sorted(chosen, key=lambda c: (-c.micro_batch, c.checkpointing))
+
+
+def _nothing_fits(candidates: list[Candidate], budget: int | None, seq_len: int, device):
+    ones = [c for c in candidates if c.micro_batch == 1 and c.memory is not None]
+    one = min(ones, key=lambda c: c.memory.peak, default=None)
+    what = f"micro-batch 1 ({fmt_int(seq_len)} tokens)"
+    if one is None:
+        flag, value = "--device", str(device)
+        why = f"{what} runs out of device memory"
+        needs = None
+    else:
+        flag, value = ("--memory-budget", fmt_bytes(budget)) if budget else ("--device", device)
+        needs = one.memory.peak
+        why = (
+            f"nothing fits: {what} needs {fmt_bytes(needs)}, of which parameters, gradients "
+            f"and optimizer state {fmt_bytes(one.memory.state)}"
+        )
+    return NothingFits(flag, value, why, needs)
+
+
+def _agreed(chosen: Candidate, candidates: list[Candidate]) -> Candidate:
+    """The same choice on every rank: the smallest micro-batch, checkpointing if any rank."""
+    micro = -sync.max_over_ranks(-chosen.micro_batch)
+    checkpointing = bool(sync.max_over_ranks(int(chosen.checkpointing)))
+    same = [c for c in candidates if (c.micro_batch, c.checkpointing) == (micro, checkpointing)]
+    return same[0] if same else Candidate(micro, checkpointing, True)
+
+
+@contextmanager
+def _restored(model: torch.nn.Module, prober: _Prober):
+    """Probe steps update the weights: put them, the mode and checkpointing back after."""
+    saved, training = _snapshot(model), model.training
+    was_checkpointing = checkpointing_enabled(model)
+    model.train()
+    try:
+        yield
+    finally:
+        prober.close()
+        model.load_state_dict(saved)
+        set_checkpointing(model, was_checkpointing)
+        model.train(training)
+        gc.collect()
+        devices.empty_cache(prober.device)
+
+
+def find_micro_batch(
+    model: torch.nn.Module,
+    make_batch: Callable[[int], object],
+    loss_fn: Callable,
+    *,
+    seq_len: int,
+    tokens_per_step: int,
+    world_size: int = 1,
+    precision: str = "fp32",
+    memory_budget: int | None = None,
+    max_micro_batch: int | None = None,
+    try_checkpointing: bool = True,
+    max_seconds: float | None = None,
+    make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] | None = None,
+) -> FitResult:
+    """Measure which micro-batch fits and runs fastest; k keeps `tokens_per_step`.
+
+    model: on its device, plain or DDP-wrapped; its weights, mode and checkpointing setting are
+      restored afterwards (the probe steps update a copy's worth of state, then put it back).
+    make_batch(b): a micro-batch of b sequences of seq_len tokens, on the model's device.
+    loss_fn(model, batch) -> (loss summed over valid tokens, their count), as the engine takes.
+    tokens_per_step: the target over all ranks; micro-batches above target / (seq_len x world)
+      are not tried (k would drop below 1). max_micro_batch bounds them further.
+    memory_budget: bytes; a size whose measured peak is above it counts as out of memory.
+    max_seconds: ends the search and the timing early (the best found so far is kept).
+    make_optimizer(model): the optimizer whose state is measured; AdamW by default.
+    Raises BadInput when the target is below one sequence per rank, NothingFits (a BadInput)
+    when micro-batch 1 does not fit.
+    """
+    cap = tokens_per_step // (seq_len * world_size)
+    if cap < 1:
+        raise BadInput(
+            "--tokens-per-step",
+            fmt_int(tokens_per_step),
+            f"below one sequence of --seq-len {seq_len} on each of {world_size} rank(s)",
+        )
+    cap = min(cap, max_micro_batch or cap)
+    deadline = None if max_seconds is None else time.perf_counter() + max_seconds
+
+    def stop() -> bool:
+        late = deadline is not None and time.perf_counter() > deadline
+        return bool(sync.max_over_ranks(int(late)))
+
+    prober = _Prober(
+        model, make_batch, loss_fn, precision, make_optimizer or _default_optimizer,
+        memory_budget, seq_len,
+    )  # fmt: skip
+    with _restored(model, prober):
+        candidates = _search(prober, cap, try_checkpointing, stop)
+        for cand in to_time(candidates):
+            if stop():
+                break
+            prober.time(cand)
+    per_micro = seq_len * world_size
+
+    def lands(micro_batch: int) -> bool:
+        k = accum_steps_for(tokens_per_step, micro_batch * per_micro)
+        return abs(micro_batch * per_micro * k - tokens_per_step) <= 0.01 * tokens_per_step
+
+    chosen = choose(candidates, lands)
+    if chosen is None:
+        raise _nothing_fits(candidates, memory_budget, seq_len, _device_of(model))
+    chosen = _agreed(chosen, candidates)
+    k = accum_steps_for(tokens_per_step, chosen.micro_batch * per_micro)
+    return FitResult(
+        micro_batch=chosen.micro_batch,
+        accum_steps=k,
+        checkpointing=chosen.checkpointing,
+        tokens_per_s=chosen.tokens_per_s,
+        memory=chosen.memory,
+        seq_len=seq_len,
+        world_size=world_size,
+        target_tokens=tokens_per_step,
+        budget_bytes=memory_budget,
+        candidates=candidates,
+    )
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+# ---- for people ----------------------------------------------------------------------------
+
+
+def render_table(result: FitResult) -> str:
+    """The candidates as a table, the choice, and the global batch k gives."""
+    import io
+
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="micro-batch candidates (measured)", title_justify="left")
+    for name in ("micro-batch", "tokens", "checkpointing", "fits", "tokens/s", "peak memory", ""):
+        table.add_column(name, justify="left" if name in ("checkpointing", "fits") else "right")
+    for c in result.candidates:
+        mark = ""
+        if (c.micro_batch, c.checkpointing) == (result.micro_batch, result.checkpointing):
+            mark = "<- chosen"
+        table.add_row(
+            str(c.micro_batch),
+            fmt_int(c.micro_batch * result.seq_len),
+            "on" if c.checkpointing else "off",
+            "yes" if c.fits else f"no ({c.why})",
+            "-" if c.tokens_per_s is None else fmt_int(round(c.tokens_per_s)),
+            "-" if c.peak_memory_bytes is None else fmt_bytes(c.peak_memory_bytes),
+            mark,
+        )
+    out = io.StringIO()
+    Console(file=out, width=100, color_system=None, emoji=False).print(table)
+    lines = [out.getvalue().rstrip("\n")]
+    if result.budget_bytes is not None:
+        source = result.memory.source if result.memory else "measured"
+        lines.append(f"memory budget {fmt_bytes(result.budget_bytes)} ({source})")
+    ckpt = "on" if result.checkpointing else "off"
+    lines.append(
+        f"chosen: micro-batch {result.micro_batch} ({fmt_int(result.micro_batch * result.seq_len)}"
+        f" tokens), activation checkpointing {ckpt}"
+    )
+    lines.append(
+        f"k = {result.accum_steps}: global batch {fmt_int(result.global_batch_tokens)} tokens "
+        f"= {result.micro_batch} x {result.seq_len} x {result.accum_steps} x "
+        f"{result.world_size} rank(s), {result.target_deviation:+.2%} from the target "
+        f"{fmt_int(result.target_tokens)}"
+    )
+    return "\n".join(lines) + "\n"
+
+
+def measure_step(
+    model: torch.nn.Module,
+    make_batch: Callable[[int], object],
+    loss_fn: Callable,
+    micro_batch: int,
+    *,
+    precision: str = "fp32",
+    checkpointing: bool = False,
+    make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] | None = None,
+) -> MemoryUse:
+    """The memory of one training step at `micro_batch`, measured as the search measures it
+    (see the module docstring); the model's weights and settings are restored afterwards.
+    Raises the device's out-of-memory error when it does not fit."""
+    prober = _Prober(
+        model, make_batch, loss_fn, precision, make_optimizer or _default_optimizer, None, 0
+    )
+    with _restored(model, prober):
+        if checkpointing and not set_checkpointing(model, True):
+            raise ValueError("measure_step: the model cannot turn on activation checkpointing")
+        return prober.measure(micro_batch)

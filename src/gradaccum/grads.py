@@ -1,0 +1,186 @@
+"""Where a window's gradient lives until the optimizer takes it.
+
+fp32 (or fp64) parameters keep their gradient in `.grad`, as autograd adds it. bf16/fp16
+parameters add each micro-batch's gradient into an fp32 buffer as it is produced (a
+post-accumulate-grad hook) and free the low-precision gradient at once; all buffers are views
+of one flat tensor. Under DDP with such parameters the buffers are not `.grad` tensors DDP
+could reduce, so DDP never syncs and the store all-reduces the flat buffer once per window
+("manual sync"). With `master_weights` the optimizer steps fp32 copies of the low-precision
+parameters, copied back (rounded once) after each step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from . import sync
+from .precision import is_low_precision
+
+
+class GradStore:
+    """The gradient storage of one model: buffers, the flat buffer, which buffers this window
+    wrote, master weights, and the engine's own sync where it owns it.
+
+    params: the parameters that require grad. dp: the model's data parallelism
+    (`sync.data_parallel`). optimizer: re-pointed at the master weights when there are any.
+    """
+
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        dp: sync.DataParallel,
+        optimizer: torch.optim.Optimizer,
+        accum_dtype: torch.dtype = torch.float32,
+        master_weights: bool = False,
+    ):
+        self._params = params
+        self._dp = dp
+        self._optimizer = optimizer
+        # FSDP2 reduces and shards gradients itself (its MixedPrecisionPolicy sets the
+        # reduce dtype), so buffers apply to plain and DDP models only.
+        buffered = dp.kind != "fsdp2" and any(_needs_buffer(p, accum_dtype) for p in params)
+        self.manual_sync = buffered and dp.kind == "ddp" and dp.world > 1
+        """Whether the store all-reduces the window's gradient itself (DDP never syncs)."""
+        self._buffers: dict[torch.Tensor, torch.Tensor] = {}
+        self._written: set[int] = set()
+        self._flat: torch.Tensor | None = None
+        if buffered:
+            self._make_buffers(accum_dtype)
+        self._masters: dict[torch.Tensor, torch.nn.Parameter] = {}
+        if master_weights:
+            self._make_masters()
+        self._traffic = sync.count_grad_traffic(dp.wrapper) if dp.averages else None
+
+    # ---- building -------------------------------------------------------------------------
+
+    def _make_buffers(self, dtype: torch.dtype) -> None:
+        # Under manual sync every parameter, fp32 ones too, goes through the flat buffer so a
+        # single all-reduce covers the whole gradient.
+        chosen = [p for p in self._params if self.manual_sync or _needs_buffer(p, dtype)]
+        device = self._params[0].device
+        self._flat = torch.zeros(sum(p.numel() for p in chosen), dtype=dtype, device=device)
+        offset = 0
+        for p in chosen:
+            self._buffers[p] = self._flat[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+            p.register_post_accumulate_grad_hook(self._accumulate_into_buffer)
+
+    def _accumulate_into_buffer(self, p: torch.Tensor) -> None:
+        buf = self._buffers[p]
+        if id(p) in self._written:
+            buf.add_(p.grad)
+        else:
+            buf.copy_(p.grad)
+            self._written.add(id(p))
+        p.grad = None  # free the low-precision gradient at once
+
+    def _make_masters(self) -> None:
+        if self._dp.kind == "fsdp2":
+            raise ValueError(
+                "master_weights=True does not apply to FSDP2: keep the parameters in fp32 and "
+                "shard with fully_shard(..., mp_policy=MixedPrecisionPolicy("
+                "param_dtype=torch.bfloat16, reduce_dtype=torch.float32)); FSDP2 then computes "
+                "in bf16 and steps fp32 shards"
+            )
+        if not self._buffers:
+            raise ValueError(
+                "master_weights=True needs bf16/fp16 parameters (these are "
+                f"{self._params[0].dtype}) and an fp32 accum_dtype"
+            )
+        if self._optimizer.state:
+            raise ValueError("master_weights=True: build the Accumulator before the first step")
+        for p in self._params:
+            if p in self._buffers and is_low_precision(p.dtype):
+                self._masters[p] = torch.nn.Parameter(p.detach().to(self._flat.dtype))
+        for group in self._optimizer.param_groups:
+            group["params"] = [self._masters.get(p, p) for p in group["params"]]
+
+    # ---- one window -----------------------------------------------------------------------
+
+    def reduce(self) -> None:
+        """Sum the window's gradient over ranks where the store owns the sync (manual sync);
+        DDP and FSDP2 have synced on the last micro-batch already."""
+        if not self.manual_sync:
+            return
+        for p, buf in self._buffers.items():
+            if id(p) not in self._written:
+                buf.zero_()  # a parameter unused on this rank adds nothing
+        dist.all_reduce(self._flat, group=self._dp.group)
+
+    def gradients(self) -> list[torch.Tensor]:
+        """The tensors that hold this window's gradient: buffers, then `.grad` of the rest."""
+        grads = [buf for _, buf in self._live_buffers()]
+        grads += [p.grad for p in self._params if p not in self._buffers and p.grad is not None]
+        return grads
+
+    def step(self, optimizer_step: Callable[[], object]) -> None:
+        """Hand the gradient to the optimizer (`.grad` of each parameter or master weight),
+        run `optimizer_step`, and copy master weights back into the parameters."""
+        for p, buf in self._live_buffers():
+            master = self._masters.get(p)
+            if master is not None:
+                master.grad = buf if buf.dtype == master.dtype else buf.float()
+            else:
+                p.grad = buf.to(p.dtype) if buf.dtype != p.dtype else buf
+        optimizer_step()
+        with torch.no_grad():
+            for p, m in self._masters.items():
+                p.copy_(m)
+
+    def clear(self) -> None:
+        """Drop the window's gradient: `.grad` of parameters and masters, and the record of
+        which buffers were written (their contents are overwritten next window)."""
+        for p in self._params:
+            p.grad = None
+        for m in self._masters.values():
+            m.grad = None
+        self._written.clear()
+
+    def traffic(self) -> tuple[int, int]:
+        """(gradient collectives, bytes) launched so far: the counter's running totals, 0 for
+        manual sync (counted per window by `window_traffic`), -1 where not counted."""
+        if self._traffic is not None:
+            return self._traffic.collectives, self._traffic.bytes
+        return (-1, -1) if self._dp.averages and not self.manual_sync else (0, 0)
+
+    def window_traffic(self, start: tuple[int, int]) -> tuple[int, int]:
+        """(collectives, bytes) of gradient this rank handed to collectives since `start`."""
+        if self.manual_sync:  # DDP never syncs: the store's one all-reduce is the traffic
+            return 1, self._flat.numel() * self._flat.element_size()
+        collectives, nbytes = self.traffic()
+        if collectives < 0 or not self._dp.averages:
+            return collectives, nbytes
+        return collectives - start[0], nbytes - start[1]
+
+    # ---- checkpointing --------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        if not self._masters:
+            return {}
+        return {"masters": [m.detach().clone() for m in self._masters.values()]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if not self._masters:
+            return
+        with torch.no_grad():
+            for m, saved in zip(self._masters.values(), state["masters"], strict=True):
+                m.copy_(saved)
+            for p, m in self._masters.items():
+                p.copy_(m)
+
+    def _live_buffers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(parameter, buffer) pairs that hold this window's gradient. Under manual sync all
+        of them: a parameter unused on this rank may have a gradient from another."""
+        return [
+            (p, buf)
+            for p, buf in self._buffers.items()
+            if self.manual_sync or id(p) in self._written
+        ]
+
+
+def _needs_buffer(p: torch.Tensor, accum_dtype: torch.dtype) -> bool:
+    # Decided per parameter: a model may mix fp32 (norms, embeddings) and bf16 weights.
+    return is_low_precision(p.dtype) and p.dtype != accum_dtype

@@ -1,0 +1,84 @@
+"""The device chokepoint on CPU: which device a name resolves to, the collective backend per
+kind, autocast, memory queries that CPU does not answer, and out-of-memory caught by type."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradaccum import devices
+
+
+def test_cpu_is_always_available_and_unknown_kinds_are_named():
+    assert devices.available("cpu") is True
+    with pytest.raises(ValueError, match="unknown device kind 'tpu'"):
+        devices.available("tpu")
+
+
+def test_default_kind_is_the_first_accelerator_present(monkeypatch):
+    present = {"cpu"}
+    monkeypatch.setattr(devices, "available", lambda kind: kind in present)
+    assert devices.default_kind() == "cpu"
+    assert devices.resolve() == torch.device("cpu")
+    present.add("xpu")
+    assert devices.default_kind() == "xpu"
+    present.add("cuda")  # cuda is preferred over xpu
+    assert devices.default_kind() == "cuda"
+    # "auto" and None pick it, indexed by the local rank
+    assert devices.resolve("auto", local_rank=3) == torch.device("cuda", 3)
+    assert devices.resolve(None) == torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize(
+    "name, local_rank, want",
+    [
+        ("cpu", 5, torch.device("cpu")),  # one cpu device whatever the rank
+        ("cuda", 2, torch.device("cuda", 2)),  # a kind alone gets the local rank
+        ("cuda:1", 2, torch.device("cuda", 1)),  # an explicit index wins
+        ("xpu", 1, torch.device("xpu", 1)),
+        ("mps", 4, torch.device("mps")),
+        (torch.device("cpu"), 0, torch.device("cpu")),
+    ],
+)
+def test_resolve_names(name, local_rank, want):
+    assert devices.resolve(name, local_rank=local_rank) == want
+
+
+@pytest.mark.parametrize(
+    "device, backend",
+    [("cuda:0", "nccl"), ("cuda", "nccl"), ("xpu:1", "xccl"), ("cpu", "gloo"), ("mps", "gloo")],
+)
+def test_collective_backend_per_kind(device, backend):
+    assert devices.distributed_backend(device) == backend
+
+
+def test_autocast_on_cpu_changes_the_matmul_dtype_only_when_asked():
+    cpu = torch.device("cpu")
+    a, b = torch.randn(4, 8), torch.randn(8, 2)
+    with devices.autocast(cpu, None):
+        assert (a @ b).dtype == torch.float32
+    with devices.autocast(cpu, torch.bfloat16):
+        out = a @ b
+    assert out.dtype == torch.bfloat16
+    # the bf16 product is the fp32 one rounded: within bf16's 8 bits of mantissa
+    exact = a.double() @ b.double()
+    assert torch.allclose(out.double(), exact, rtol=2**-6, atol=2**-6 * exact.abs().max())
+
+
+def test_cpu_holds_bf16_and_reports_no_memory_figures():
+    cpu = torch.device("cpu")
+    assert devices.supports_dtype(cpu, torch.bfloat16)
+    assert devices.peak_memory_bytes(cpu) is None
+    assert devices.total_memory_bytes(cpu) is None
+    devices.set_current(cpu)  # no-ops on cpu: nothing to bind, wait for or free
+    devices.synchronize(cpu)
+    devices.reset_peak_memory(cpu)
+    devices.empty_cache(cpu)
+    assert devices.peak_memory_bytes(cpu) is None
+
+
+def test_out_of_memory_is_caught_by_type_not_by_message():
+    errors = devices.out_of_memory_errors()
+    assert isinstance(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried 2 GiB"), errors)
+    # a RuntimeError that merely mentions memory is not one
+    assert not isinstance(RuntimeError("out of memory"), errors)

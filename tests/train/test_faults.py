@@ -1,0 +1,236 @@
+"""What a run survives: two runs on one folder, a stop mid-window, bad files and folders, odd
+but reasonable command lines. Each refusal is one line with exit code 2; each survival is
+checked against an uninterrupted run."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from gradaccum.cli import main
+from gradaccum.train import checkpoint
+from gradaccum.train import loop as train_loop
+from gradaccum.train.config import TrainConfig
+from gradaccum.train.corpus import MarkovCorpus
+from gradaccum.train.loop import train
+from gradaccum.train.metrics import read_metrics, without_timing
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("data")
+    np.save(folder / "markov.npy", MarkovCorpus().generate(40_000, seed=1).astype(np.uint16))
+    return folder
+
+
+SMALL = ["--seq-len", "16", "--micro-batch", "2", "--accum-steps", "2", "--eval-every", "0"]
+
+
+def cli(out, data, *extra) -> list[str]:
+    return ["train", "--data", str(data / "markov.npy"), *SMALL, "--out", str(out), *extra]
+
+
+def one_line_error(capsys, argv) -> str:
+    code = main(argv)
+    captured = capsys.readouterr()
+    assert code == 2, captured
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
+    assert captured.out == ""
+    return lines[0]
+
+
+def records(out) -> list[dict]:
+    return without_timing(read_metrics(os.path.join(out, "metrics.jsonl")))
+
+
+def start(out, data, *extra) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "gradaccum", *cli(out, data, *extra)]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_lines(out, n: int, proc) -> None:
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= n):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.1)
+
+
+# ---- issue 10 item 3: one run per folder ---------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_second_run_on_the_same_out_exits_2_and_the_first_is_intact(tmp_path, data, capsys):
+    out = tmp_path / "run"
+    first = start(out, data, "--max-steps", "100000", "--save-every", "2")
+    try:
+        wait_for_lines(out, 3, first)
+        line = one_line_error(capsys, cli(out, data, "--max-steps", "3"))
+        assert f"--out {out}: in use by a running run (pid {first.pid} on " in line
+        line = one_line_error(capsys, ["train", "--resume", "--out", str(out)])
+        assert f"pid {first.pid}" in line
+    finally:
+        first.send_signal(signal.SIGTERM)
+        _, stderr = first.communicate(timeout=120)
+    assert first.returncode == 0, stderr
+    steps = [r["step"] for r in read_metrics(out / "metrics.jsonl")]  # every line parses
+    assert steps == list(range(1, len(steps) + 1))
+    assert checkpoint.load(checkpoint.find_latest(str(out))).step == steps[-1]
+
+
+@pytest.mark.slow
+def test_a_lock_left_by_a_killed_run_is_stale(tmp_path, data, capsys):
+    out = tmp_path / "run"
+    first = start(out, data, "--max-steps", "100000", "--save-every", "1")
+    try:
+        wait_for_lines(out, 2, first)
+    finally:
+        first.kill()
+        first.wait(timeout=60)
+    assert (out / ".lock").exists()
+    reached = checkpoint.load(checkpoint.find_latest(str(out))).step
+    capsys.readouterr()
+    argv = ["train", "--resume", "--out", str(out), "--max-steps", str(reached + 1)]
+    assert main(argv) == 0, capsys.readouterr().err
+
+
+# ---- issue 10 item 5: a stop request ends the window at the next micro-batch --------------
+
+
+@pytest.mark.slow
+def test_a_stop_mid_window_ends_at_the_next_micro_batch_and_resume_is_exact(
+    tmp_path, data, monkeypatch
+):
+    k, signal_at = 512, 512 + 3  # the signal lands in the second window, at its third micro-batch
+    kw = dict(data=str(data / "markov.npy"), seq_len=8, micro_batch=1, accum_steps=k)
+    kw.update(max_steps=2, eval_every=0, save_every=0)
+    train(TrainConfig(out=str(tmp_path / "whole"), **kw))
+
+    real, seen = train_loop.causal_lm_loss, {"micro_batches": 0}
+
+    def signalling(model, batch):
+        seen["micro_batches"] += 1
+        if seen["micro_batches"] == signal_at:
+            os.kill(os.getpid(), signal.SIGTERM)  # as `kill` from another shell would
+        return real(model, batch)
+
+    monkeypatch.setattr(train_loop, "causal_lm_loss", signalling)
+    split = tmp_path / "split"
+    summary = train(TrainConfig(out=str(split), **kw))
+    monkeypatch.undo()
+    assert summary["stopped"] == "SIGTERM" and summary["steps"] == 1
+    assert seen["micro_batches"] == signal_at  # not one micro-batch begun after the signal
+    saved = checkpoint.load(checkpoint.find_latest(str(split)))
+    assert saved.step == 1 and saved.trainer_state["data"]["position"] == k  # end of window 1
+    train(TrainConfig(out=str(split), resume=True, **kw))
+    assert records(split) == records(tmp_path / "whole")  # window 2 redone, bit for bit
+
+
+# ---- issue 10 item 6: one line, not a traceback -------------------------------------------
+
+
+def test_a_config_file_that_is_not_utf8_is_one_line(tmp_path, capsys):
+    toml = tmp_path / "latin1.toml"
+    toml.write_bytes("lr = 1e-3 # café\n".encode("latin-1"))
+    line = one_line_error(capsys, ["train", "--config", str(toml), "--out", str(tmp_path / "o")])
+    assert f"--config {toml}: not UTF-8 text" in line
+
+
+def test_an_unwritable_out_is_refused_before_data_and_model_load(tmp_path, data, capsys):
+    out = "/proc/gradaccum-run/here"  # root may write anywhere but here
+    line = one_line_error(capsys, cli(out, data, "--model", "no-such-preset"))
+    assert line.startswith(f"gradaccum: error: --out {out}: /proc is not writable")
+
+
+@pytest.mark.slow
+def test_init_from_a_folder_with_random_bytes_is_one_line(tmp_path, data, capsys):
+    first = tmp_path / "first"
+    assert main(cli(first, data, "--max-steps", "1")) == 0
+    (first / "model.pt").write_bytes(np.random.default_rng(0).bytes(4096))
+    capsys.readouterr()
+    line = one_line_error(capsys, cli(tmp_path / "second", data, "--init-from", str(first)))
+    assert f"--init-from {first}: model.pt is not a readable state_dict" in line
+    assert not (tmp_path / "second").exists()
+
+
+# ---- issue 10 item 7: messages that point the right way ------------------------------------
+
+
+@pytest.mark.slow
+def test_a_saved_train_toml_is_what_was_chosen_so_it_can_be_reused(tmp_path, data, capsys):
+    base = tmp_path / "base"
+    argv = ["train", "--data", str(data / "markov.npy"), "--tokens-per-step", "256"]
+    assert main([*argv, "--seq-len", "16", "--max-steps", "1", "--out", str(base)]) == 0
+    capsys.readouterr()
+    again = ["train", "--config", str(base / "train.toml"), "--seq-len", "32"]
+    assert main([*again, "--out", str(tmp_path / "again"), "--json"]) == 0
+    summary = __import__("json").loads(capsys.readouterr().out)
+    assert summary["tokens_per_step"] == 256 and summary["steps"] == 1  # re-planned for 32
+
+
+@pytest.mark.slow
+def test_the_command_line_wins_over_the_file_for_the_run_length(tmp_path, data, capsys):
+    toml = tmp_path / "run.toml"
+    toml.write_text("max_steps = 5\n")
+    argv = cli(tmp_path / "run", data, "--config", str(toml), "--max-tokens", "128", "--json")
+    assert main(argv) == 0, capsys.readouterr().err
+    summary = __import__("json").loads(capsys.readouterr().out)
+    assert summary["steps"] == 2  # 128 tokens at 64 per step, not the file's 5 steps
+
+
+@pytest.mark.slow
+def test_a_folder_stopped_before_its_first_checkpoint_can_start_over(
+    tmp_path, data, capsys, monkeypatch
+):
+    out = tmp_path / "run"
+    real, calls = train_loop.causal_lm_loss, {"n": 0}
+
+    def second_ctrl_c(model, batch):  # a second Ctrl-C does not wait for the save
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real(model, batch)
+
+    monkeypatch.setattr(train_loop, "causal_lm_loss", second_ctrl_c)
+    assert main(cli(out, data, "--max-steps", "4")) == 130
+    monkeypatch.undo()
+    assert (out / "metrics.jsonl").exists() and checkpoint.find_latest(str(out)) is None
+    capsys.readouterr()
+    line = one_line_error(capsys, ["train", "--resume", "--out", str(out)])
+    assert "no checkpoint in this folder to resume from" in line
+    assert main(cli(out, data, "--max-steps", "2")) == 0  # --out takes it: nothing to lose
+    assert [r["step"] for r in records(out) if "loss" in r] == [1, 2]  # a new run
+
+
+@pytest.mark.slow
+def test_a_relative_data_path_resumes_from_another_folder(tmp_path, data, capsys, monkeypatch):
+    out = tmp_path / "run"
+    monkeypatch.chdir(data)
+    argv = ["train", "--data", "markov.npy", *SMALL, "--max-steps", "2", "--out", str(out)]
+    assert main(argv) == 0
+    os.unlink(out / "model.pt")  # as if it had stopped at its last checkpoint
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--resume", "--out", str(out), "--max-steps", "3"]) == 0, (
+        capsys.readouterr().err
+    )
+
+
+def test_data_naming_a_folder_says_so(tmp_path, data, capsys):
+    line = one_line_error(capsys, ["train", "--data", str(data), "--out", str(tmp_path / "o")])
+    assert f"--data {data}: is a folder" in line
+
+
+# ---- issue 10 item 8: low precision on CPU ---------------------------------------------------
+
+
+@pytest.mark.slow
+def test_bf16_on_cpu_says_once_that_it_is_slow(tmp_path, data, capsys):
+    argv = cli(tmp_path / "run", data, "--max-steps", "1", "--precision", "bf16", "--device", "cpu")
+    assert main(argv) == 0
+    said = capsys.readouterr().out
+    assert said.count("bf16 on CPU is usually several times slower than fp32") == 1
