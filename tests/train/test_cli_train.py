@@ -289,3 +289,13 @@ def test_a_sentinel_token_id_is_refused_not_allocated(capsys, tmp_path):
     np.save(path, ids)
     line = one_line_error(capsys, ["train", "--data", str(path), "--out", str(tmp_path / "o")])
     assert f"--data {path}" in line and "4294967295" in line
+
+
+def test_tensorboard_without_its_package_exits_2_naming_the_extra(capsys, tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # import tensorboard fails
+    out = tmp_path / "run"
+    line = one_line_error(capsys, ["train", "--out", str(out), *SMALL, "--tensorboard"])
+    assert "--tensorboard" in line and "gradaccum[tensorboard]" in line
+    assert not out.exists()

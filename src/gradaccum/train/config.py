@@ -76,9 +76,10 @@ class TrainConfig:
     micro_batch: int | str = _flag(
         "auto", "sequences per forward/backward per rank, or auto (default auto)", "micro", least=1
     )
-    """Sequences per forward/backward on each rank, or "auto": the largest power of two the
-    memory estimate fits on the device (on CPU: at most 2048 tokens per micro-batch) that
-    still leaves k >= 1."""
+    """Sequences per forward/backward on each rank, or "auto": measured (`gradaccum.fit`, a
+    few seconds of probing; on CPU at most 2048 tokens per micro-batch), the size that fits and
+    trains fastest with k from the tokens per step; with --accum-steps given, the largest
+    power of two the memory estimate fits that gives the tokens per step."""
     accum_steps: int | None = _flag(
         None, "micro-batches per optimizer step (default: from --tokens-per-step)", least=1
     )
@@ -168,6 +169,17 @@ class TrainConfig:
         "auto", "cpu, cuda, cuda:1, npu, mps, xpu or auto (default auto)", "str", metavar="DEVICE"
     )
     """cpu, cuda, cuda:1, npu, xpu, mps, or auto (the best one present)."""
+    noise_scale: bool = _flag(
+        False, "estimate the gradient noise scale (the critical batch) as the run goes", "bool"
+    )
+    """Estimate the gradient noise scale from each window's micro-batch gradients (needs
+    k x world >= 2): metrics.jsonl gets noise_scale_tokens and noise_scale_sequences, the plot
+    a second panel, and the run ends with the critical batch against its own."""
+    tensorboard: bool = _flag(
+        False, "also write the metrics for TensorBoard under --out/tensorboard", "bool"
+    )
+    """Write every metrics record as TensorBoard scalars under <out>/tensorboard/ (the
+    `tensorboard` extra)."""
     dist_timeout: float = _flag(
         300.0,
         "seconds a rank waits for the others before failing, under torchrun (default 300)",

@@ -23,8 +23,9 @@ from ..atomic import write_text_atomic
 from ..distributed import RankInfo, init_distributed, teardown
 from ..engine import Accumulator, StepResult
 from ..errors import BadInput, RanksLost, first_line
+from ..plan.sizes import fmt_count
 from . import checkpoint, checks, resume
-from .config import TrainConfig, to_toml
+from .config import DEFAULT_TOKENS_PER_STEP, TrainConfig, to_toml
 from .console import Console, Progress, StopSignals
 from .lock import RunLock
 from .metrics import MetricsWriter, plot_loss, read_metrics
@@ -78,6 +79,10 @@ def prepare(config: TrainConfig) -> TrainConfig:
         checks.check_paths(replace(config, model_config=None, init_from=None, model=None))
     checks.check_device(config.device)
     checks.check_run_folder(config.out, config.resume)
+    if config.tensorboard:
+        from .tensorboard import check_available
+
+        check_available()
     return config
 
 
@@ -123,6 +128,58 @@ def _build_model(config: TrainConfig, data_info, ckpt):
         vocab_size=data_info.vocab_size,
         seq_len=config.seq_len,
     )
+
+
+AUTO_FIT_SECONDS = 4.0
+"""Seconds `--micro-batch auto` spends probing and timing micro-batch sizes."""
+
+
+def _measures_micro_batch(config: TrainConfig, rank_info: RankInfo) -> bool:
+    """--micro-batch auto with the batch left to choose: measured (`gradaccum.fit`), not
+    estimated. With --accum-steps given, the batch follows from it as before."""
+    target = config.tokens_per_step or DEFAULT_TOKENS_PER_STEP
+    return (
+        config.micro_batch == "auto"
+        and config.accum_steps is None
+        and target >= config.seq_len * rank_info.world_size
+    )
+
+
+def measure_micro_batch(config: TrainConfig, model, train_set, rank_info: RankInfo, say):
+    """`config` with the micro-batch that fits and trains fastest here, probed for at most
+    AUTO_FIT_SECONDS (forward, backward and optimizer step at growing sizes, bounded on CPU by
+    CPU_MICRO_TOKENS per micro-batch); its table is printed. The model's weights and the RNG
+    are left as they were, so the run trains as if nothing was probed."""
+    import numpy as np
+
+    from .. import fit
+    from .resolve import CPU_MICRO_TOKENS
+
+    device = rank_info.device
+    model.to(device)
+
+    def make_batch(micro_batch: int) -> dict:
+        rows = train_set.batch(np.arange(micro_batch) % len(train_set)).to(device)
+        return {"input_ids": rows[:, :-1].contiguous(), "labels": rows[:, 1:].contiguous()}
+
+    on_cpu = devices.total_memory_bytes(device) is None
+    rng = checkpoint.rng_state()
+    result = fit.find_micro_batch(
+        model,
+        make_batch,
+        causal_lm_loss,
+        seq_len=config.seq_len,
+        tokens_per_step=config.tokens_per_step or DEFAULT_TOKENS_PER_STEP,
+        world_size=rank_info.world_size,
+        precision=config.precision,
+        max_micro_batch=max(1, CPU_MICRO_TOKENS // config.seq_len) if on_cpu else None,
+        try_checkpointing=False,
+        max_seconds=AUTO_FIT_SECONDS,
+        make_optimizer=lambda m: _optimizer(m, config),
+    )
+    checkpoint.set_rng_state(rng)
+    say(fit.render_table(result).rstrip("\n"))
+    return replace(config, micro_batch=result.micro_batch)
 
 
 def _optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
@@ -187,6 +244,7 @@ class Run:
         self.optimizer = _optimizer(self.model, config)
         self.state = RunState()
         self.metrics: MetricsWriter | None = None
+        self.tensorboard = None  # a TensorBoardWriter on rank 0 with --tensorboard
         self.lock = RunLock(config.out)
         self.started = time.perf_counter()
 
@@ -200,6 +258,8 @@ class Run:
         data = _load_data(config)
         model, model_info = _build_model(config, data[2], ckpt)
         notes, plan_config = [], config
+        if ckpt is None and _measures_micro_batch(config, rank_info):
+            plan_config = measure_micro_batch(config, model, data[0], rank_info, console.say)
         if ckpt is not None:
             notes = resume.check_data(config, ckpt, data[2])
             plan_config = resume.batch_config(config, ckpt, rank_info.world_size)
@@ -241,6 +301,7 @@ class Run:
             self.scheduler,
             max_grad_norm=config.max_grad_norm or None,
             precision=config.precision,
+            noise_scale=config.noise_scale,
         )
         self.batches = Batches(
             self.train_set,
@@ -295,6 +356,23 @@ class Run:
             write_text_atomic(os.path.join(config.out, "train.toml"), to_toml(config.chosen()))
             keep = self.ckpt.trainer_state["metrics_lines"] if self.ckpt is not None else None
             self.metrics = MetricsWriter(os.path.join(config.out, "metrics.jsonl"), keep)
+            if config.tensorboard:
+                from .tensorboard import TensorBoardWriter
+
+                # Events past the checkpoint's step came after it and will be written again.
+                purge = self.acc.steps + 1 if self.ckpt is not None else None
+                self.tensorboard = TensorBoardWriter(config.out, purge_step=purge)
+
+    def write_record(self, record: dict) -> None:
+        """One metrics record into metrics.jsonl and, with --tensorboard, TensorBoard."""
+        self.metrics.write(record)
+        if self.tensorboard is not None:
+            self.tensorboard.write(record)
+
+    def _close_tensorboard(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+            self.tensorboard = None
 
     def _take_lock(self) -> None:
         failed = None
@@ -325,6 +403,8 @@ class Run:
             except BaseException:
                 self.lock.release()
                 raise
+            finally:
+                self._close_tensorboard()
         try:
             return self.finish(stopped)
         finally:
@@ -417,7 +497,7 @@ class Run:
         if st.initial_loss is None:
             st.initial_loss = result.loss
         if self.is_main:
-            self.metrics.write(
+            self.write_record(
                 {
                     "step": result.step,
                     "loss": result.loss,
@@ -429,6 +509,7 @@ class Run:
                     "micro_batch": self.resolved.micro_batch,
                     "skipped": result.skipped,
                     "elapsed_s": st.elapsed_s,
+                    **_noise_fields(result),
                 }
             )
         done_here = result.step - self.first_step
@@ -448,7 +529,7 @@ class Run:
             self.device,
             self.config.precision,
         )
-        self.metrics.write(
+        self.write_record(
             {
                 "step": self.acc.steps,
                 "tokens": self.state.tokens,
@@ -526,7 +607,39 @@ class Run:
                 title=f"{self.model_info.source}, {r.tokens_per_step:,} tokens/step "
                 f"(b {r.micro_batch} x k {r.accum_steps} x world {r.world_size})",
             )
+        line = self.critical_batch_line()
+        if line:
+            self.console.say(line)
         return self.summary(records, stopped)
+
+    def critical_batch_line(self) -> str | None:
+        """With --noise-scale: the estimated critical batch against this run's, in one line;
+        None before the first estimate."""
+        last = self.acc.noise.last if self.acc.noise is not None else None
+        if last is None or not math.isfinite(last.b_simple_tokens):
+            return None
+        critical, here = last.b_simple_tokens, self.resolved.tokens_per_step
+        if critical <= 0:
+            return None
+        if here < critical / 2:
+            meaning = (
+                "below it, larger batches buy about proportionally fewer steps: the next run "
+                "can take more tokens per step for little more compute"
+            )
+        elif here > 2 * critical:
+            meaning = (
+                "far above it, much of each step's compute is wasted: the next run can take "
+                "fewer tokens per step and more steps for the same loss"
+            )
+        else:
+            meaning = (
+                "near it; below it larger batches buy proportionally fewer steps, far above it "
+                "compute is wasted"
+            )
+        return (
+            f"critical batch about {fmt_count(critical)} tokens (noise scale), this run "
+            f"{fmt_count(here)} tokens per step: {meaning}"
+        )
 
     def summary(self, records: list[dict], stopped: str | None) -> dict:
         """The --json object. Losses are nats per token: initial_loss of the run's first
@@ -556,5 +669,24 @@ class Run:
             "device": str(self.device),
             "precision": self.config.precision,
             "stopped": stopped,
+            "noise_scale_tokens": self._noise_tokens(),
             "out": self.config.out,
         }
+
+    def _noise_tokens(self) -> float | None:
+        last = self.acc.noise.last if self.acc.noise is not None else None
+        if last is None or not math.isfinite(last.b_simple_tokens):
+            return None
+        return last.b_simple_tokens
+
+
+def _noise_fields(result: StepResult) -> dict:
+    """noise_scale_tokens and noise_scale_sequences of a window, where they are finite."""
+    noise = result.noise
+    if noise is None:
+        return {}
+    fields = {
+        "noise_scale_tokens": noise.b_simple_tokens,
+        "noise_scale_sequences": noise.b_simple_sequences,
+    }
+    return {k: v for k, v in fields.items() if v is not None and math.isfinite(v)}

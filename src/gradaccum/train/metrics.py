@@ -83,7 +83,8 @@ def without_timing(records: list[dict]) -> list[dict]:
 def plot_loss(
     records: list[dict], path: str, entropy_floor: float | None = None, title: str = ""
 ) -> bool:
-    """Write loss against tokens (and eval loss, and the floor) to `path`, atomically.
+    """Write loss against tokens (and eval loss, and the floor) to `path`, atomically; where
+    the records carry noise_scale_tokens, the noise scale in a second panel below.
 
     Returns False, writing nothing, when matplotlib is not installed (an optional extra).
     """
@@ -96,7 +97,14 @@ def plot_loss(
         return False
     train = [r for r in records if r.get("loss") is not None and "eval_loss" not in r]
     evals = [r for r in records if r.get("eval_loss") is not None]
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    noise = [r for r in train if r.get("noise_scale_tokens") is not None]
+    if noise:
+        fig, (ax, lower) = plt.subplots(
+            2, 1, figsize=(7, 6.4), dpi=120, sharex=True, height_ratios=(3, 2)
+        )
+        _plot_noise(lower, noise)
+    else:
+        fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
     ax.plot([r["tokens"] for r in train], [r["loss"] for r in train], lw=1.2, label="train loss")
     if evals:
         ax.plot(
@@ -111,7 +119,8 @@ def plot_loss(
         ax.axhline(
             entropy_floor, ls="--", color="k", lw=1, label=f"entropy floor {entropy_floor:.3f} nats"
         )
-    ax.set_xlabel("tokens")
+    if not noise:
+        ax.set_xlabel("tokens")
     ax.set_ylabel("loss (nats per token)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
@@ -120,3 +129,18 @@ def plot_loss(
     write_atomic(path, lambda f: fig.savefig(f, format="png"))
     plt.close(fig)
     return True
+
+
+def _plot_noise(ax, records: list[dict]) -> None:
+    """The gradient noise scale (critical batch, tokens) against tokens trained on."""
+    ax.plot(
+        [r["tokens"] for r in records],
+        [r["noise_scale_tokens"] for r in records],
+        lw=1.2,
+        color="tab:green",
+        label="noise scale (critical batch)",
+    )
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("tokens per step")
+    ax.grid(alpha=0.3)
+    ax.legend()
