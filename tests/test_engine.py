@@ -353,3 +353,19 @@ def test_no_per_micro_batch_tensor_lives_until_the_window_ends():
         alive.clear()
         acc = Accumulator(model, GradRecorder(model.parameters()), count_tokens=count_tokens)
         acc.step(data, loss_fn)
+
+
+def test_close_frees_the_model_for_another_accumulator():
+    # bf16 parameters: each Accumulator hooks every parameter to move its gradient into an
+    # fp32 buffer. After close(), a second Accumulator on the same model gives exactly what
+    # one on an untouched copy of the model gives.
+    model = make_gpt().to(torch.bfloat16)
+    untouched = copy.deepcopy(model)
+    data = ragged_batches("gpt", 4, seed=11)
+    first = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.0), noise_scale=True)
+    first.step(data, token_loss)
+    first.close()
+    opt, ref = GradRecorder(model.parameters()), GradRecorder(untouched.parameters())
+    Accumulator(model, opt).step(data, token_loss)
+    Accumulator(untouched, ref).step(data, token_loss)
+    assert all(torch.equal(a, b) for a, b in zip(opt.seen[0], ref.seen[0], strict=True))

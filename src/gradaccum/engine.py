@@ -211,8 +211,16 @@ class Accumulator:
                 "expose per micro-batch; use DDP or one device"
             )
         noise = NoiseScale(self.device, decay)
-        noise.watch(params)
+        self._noise_hooks = noise.watch(params)
         return noise
+
+    def close(self) -> None:
+        """Remove every hook this Accumulator put on the model's parameters (fp32 buffers,
+        noise scale), so that another Accumulator can take the same model."""
+        self.store.close()
+        for handle in getattr(self, "_noise_hooks", []):
+            handle.remove()
+        self._noise_hooks = []
 
     # ---- one window ----------------------------------------------------------------------
 

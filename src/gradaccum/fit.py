@@ -344,6 +344,7 @@ class _Prober:
         """Remove the hooks and free the probe's gradients and optimizer state."""
         for h in self._handles:
             h.remove()
+        self.acc.close()
         self.optimizer.zero_grad(set_to_none=True)
         self.optimizer.state.clear()
 

@@ -45,6 +45,7 @@ class GradStore:
         self.manual_sync = buffered and dp.kind == "ddp" and dp.world > 1
         """Whether the store all-reduces the window's gradient itself (DDP never syncs)."""
         self._buffers: dict[torch.Tensor, torch.Tensor] = {}
+        self._hooks: list = []  # handles of the buffer hooks, removed by close()
         self._written: set[int] = set()
         self._flat: torch.Tensor | None = None
         if buffered:
@@ -66,7 +67,7 @@ class GradStore:
         for p in chosen:
             self._buffers[p] = self._flat[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
-            p.register_post_accumulate_grad_hook(self._accumulate_into_buffer)
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._accumulate_into_buffer))
 
     def _accumulate_into_buffer(self, p: torch.Tensor) -> None:
         buf = self._buffers[p]
@@ -129,6 +130,13 @@ class GradStore:
         with torch.no_grad():
             for p, m in self._masters.items():
                 p.copy_(m)
+
+    def close(self) -> None:
+        """Remove the hooks this store put on the parameters (the model is then free for
+        another Accumulator)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
 
     def clear(self) -> None:
         """Drop the window's gradient: `.grad` of parameters and masters, and the record of
