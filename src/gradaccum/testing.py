@@ -32,9 +32,9 @@ import torch
 import torch.nn.functional as F
 
 from .atomic import write_atomic
+from .bigbatch import IGNORE_INDEX, concat_batches
 from .distributed import RankInfo, aligned_windows, init_distributed, teardown
 
-IGNORE_INDEX = -100
 WRAPPERS = ("ddp", "fsdp2")
 
 # ---- the loss and the data ------------------------------------------------------------------
@@ -105,15 +105,7 @@ def valid_tokens(batches: Sequence[dict]) -> int:
 def big_batch(micro_batches: Sequence[dict]) -> dict:
     """The micro-batches (dicts of tensors) stacked along the batch dimension; rows narrower
     than the widest are padded at the end (labels with IGNORE_INDEX, the rest with 0)."""
-    width = max(b["labels"].shape[1] for b in micro_batches)
-
-    def padded(key: str, t: torch.Tensor) -> torch.Tensor:
-        if t.dim() < 2 or t.shape[1] == width:
-            return t
-        fill = IGNORE_INDEX if key == "labels" else 0
-        return torch.cat([t, t.new_full((t.shape[0], width - t.shape[1], *t.shape[2:]), fill)], 1)
-
-    return {k: torch.cat([padded(k, b[k]) for b in micro_batches]) for k in micro_batches[0]}
+    return concat_batches(micro_batches, IGNORE_INDEX)
 
 
 def big_batch_grads(

@@ -35,6 +35,7 @@ from .bigbatch import (
     trainable,
 )
 from .errors import BadInput
+from .jsonable import finite
 from .lint import Finding, lint, list_names, quiet_rng
 from .precision import PRECISIONS, is_low_precision
 
@@ -131,17 +132,6 @@ class VerifyReport:
     def to_json(self) -> str:
         """`to_dict` as JSON text; a non-finite number becomes null."""
         return json.dumps(finite(self.to_dict()), indent=2)
-
-
-def finite(x):
-    """`x` with every non-finite float (nan, inf) in it replaced by None, for JSON."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {key: finite(value) for key, value in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [finite(value) for value in x]
-    return x
 
 
 # ---- verify -----------------------------------------------------------------------------------

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 
 from ..errors import BadInput
+from ..jsonable import finite
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -20,14 +20,5 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def print_json(obj) -> None:
-    def clean(x):
-        if isinstance(x, float) and not math.isfinite(x):
-            return None
-        if isinstance(x, dict):
-            return {k: clean(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return [clean(v) for v in x]
-        return x
-
-    json.dump(clean(obj), sys.stdout, indent=2)
+    json.dump(finite(obj), sys.stdout, indent=2)
     sys.stdout.write("\n")
