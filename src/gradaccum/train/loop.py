@@ -41,6 +41,11 @@ EVAL_TOKENS = 32768
 DIVERGED_WINDOWS = 50
 """Windows in a row with a non-finite loss or gradient after which the run gives up."""
 
+LOST_WORDS = ("timed out", "timeout", "connection closed", "connection reset", "pair closure")
+"""How a collective reports a peer that died or stopped answering, in the error's first line
+(lower-cased), whether it raised in the loop or inside a DDP hook during backward ("Application
+timeout caused pair closure")."""
+
 
 def train(config: TrainConfig, should_stop: Callable[[int], bool] | None = None) -> dict:
     """Run the training `config` describes; return the summary (the --json object).
@@ -414,10 +419,7 @@ class Run:
         """A collective that failed because another rank died or stopped answering, as one
         line; None for any other error."""
         text = first_line(err)
-        lost = isinstance(err, dist.DistError) or any(
-            word in text
-            for word in ("Timed out", "timed out", "Connection closed", "Connection reset")
-        )
+        lost = isinstance(err, dist.DistError) or any(word in text.lower() for word in LOST_WORDS)
         if self.rank_info.world_size == 1 or not lost:
             return None
         return RanksLost(
