@@ -5,7 +5,7 @@ and the script prints the median tokens/s ratio engine / hand loop. Goal: >= 0.9
 contestant, the engine with `noise_scale=True`, measures what the noise-scale estimate costs:
 goal, its tokens/s within 3% of the engine's without it (ratio >= 0.97).
 
-    python benchmarks/engine_overhead.py [--rounds 7] [--windows 6] [--device auto]
+    python benchmarks/engine_overhead.py [--rounds 15] [--windows 6] [--device auto]
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def timed(fn, device):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--rounds", type=int, default=15, help="median over rounds")
     ap.add_argument("--windows", type=int, default=6, help="windows (optimizer steps) per timing")
     ap.add_argument("--accum-steps", type=int, default=8)
     ap.add_argument("--micro-batch", type=int, default=4)

@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gradaccum.errors import BadInput
-from gradaccum.plan.batch_schedule import parse_batch_schedule, phases
+from gradaccum.plan.batch_schedule import LR_RULES, parse_batch_schedule, phases
+from gradaccum.plan.schedule_plan import plan_schedule
 
 
 def test_step_wise_schedule_by_hand():
@@ -94,3 +95,60 @@ def test_phases_cover_the_run_with_whole_windows(sizes, gaps, micro, world, tota
         # k is the rounded target at the phase's first window, never below 1
         want = max(1, math.floor(s.target(p.start_tokens) / (micro * world) + 0.5))
         assert p.accum_steps == want
+
+
+@settings(max_examples=60, derandomize=True, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 2**20), min_size=1, max_size=4),
+    gaps=st.lists(st.integers(1, 2**24), min_size=3, max_size=3),
+    micro=st.integers(1, 2**12),
+    world=st.integers(1, 8),
+    total=st.integers(1, 2**28),
+    linear=st.booleans(),
+    micro_step_s=st.floats(0.001, 10),
+    rule=st.sampled_from(LR_RULES),
+)
+def test_planned_phases_reach_the_total_within_one_step(
+    sizes, gaps, micro, world, total, linear, micro_step_s, rule
+):
+    starts = [0]
+    for gap in gaps[: len(sizes) - 1]:
+        starts.append(starts[-1] + gap)
+    text = ",".join(f"{a}:{b}" for a, b in zip(starts, sizes, strict=False))
+    s = parse_batch_schedule(("linear:" if linear else "") + text)
+    got = plan_schedule(
+        s,
+        total,
+        micro,
+        world,
+        lr_rule=rule,
+        base_lr=2.0,
+        step_time=lambda k, tokens_per_step: k * micro_step_s,
+    )
+    last = got.phases[-1]
+    assert total <= got.total_tokens < total + last.tokens_per_step
+    assert got.total_tokens == sum(p.tokens for p in got.phases) == last.end_tokens
+    assert got.total_steps == sum(p.steps for p in got.phases)
+    final = max(1, math.floor(sizes[-1] / (micro * world) + 0.5)) * micro * world
+    for p in got.phases:
+        assert p.tokens == p.steps * p.accum_steps * micro * world
+        assert p.time_s == pytest.approx(p.steps * p.accum_steps * micro_step_s)
+        ratio = p.tokens_per_step / final
+        want = {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[rule]
+        assert p.lr_factor == pytest.approx(want) and p.lr == pytest.approx(2.0 * want)
+    assert got.total_time_s == pytest.approx(sum(p.time_s for p in got.phases))
+
+
+def test_unknown_step_time_leaves_phase_and_total_time_unknown():
+    s = parse_batch_schedule("0:4k,8k:16k")
+    got = plan_schedule(
+        s, 40_000, 1024, 1, lr_rule="none", base_lr=None, step_time=lambda k, tps: None
+    )
+    assert [p.time_s for p in got.phases] == [None, None] and got.total_time_s is None
+    assert [p.lr for p in got.phases] == [None, None]
+
+
+def test_schedule_text_reads_back():
+    for text in ("0:32k,1B:256k,10B:4M", "linear:0:32Ki,100M:1M"):
+        assert str(parse_batch_schedule(text)) == text
+        assert parse_batch_schedule(str(parse_batch_schedule(text))) == parse_batch_schedule(text)

@@ -148,3 +148,163 @@ def test_a_negative_size_after_its_flag_is_named_not_mistaken_for_a_flag(capsys)
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1
     assert "--target-tokens -4M: must not be negative" in err[0]
+
+
+# ---- --batch-schedule -------------------------------------------------------------------
+
+SMALL = ["--seq-len", "1024", "--micro-batch", "1", "--total-tokens", "40k"]
+
+
+def plan_json(capsys, *args):
+    code, out, err = run_plan(capsys, *args, "--json")
+    assert code == 0 and err == ""
+    return json.loads(out)
+
+
+def test_step_wise_schedule_phases_by_hand(capsys):
+    d = plan_json(capsys, "--batch-schedule", "0:4k,8k:16k", *SMALL, "--micro-step-time", "100ms")
+    s = d["batch_schedule"]
+    # 1 x 1024 tokens per micro-step on one device.
+    # 4,000 / 1,024 = 3.9 -> k 4, 4,096 tokens a step; 8,000 tokens take ceil(1.95) = 2 steps.
+    # 16,000 / 1,024 = 15.6 -> k 16, 16,384 a step; 40,000 - 8,192 = 31,808 take 2 steps.
+    assert [(p["accum_steps"], p["tokens_per_step"], p["steps"]) for p in s["phases"]] == [
+        (4, 4096, 2),
+        (16, 16384, 2),
+    ]
+    assert [(p["start_tokens"], p["end_tokens"], p["tokens"]) for p in s["phases"]] == [
+        (0, 8192, 8192),
+        (8192, 40960, 32768),
+    ]
+    # time: steps x k x 100 ms
+    assert [p["time_s"] for p in s["phases"]] == pytest.approx([2 * 4 * 0.1, 2 * 16 * 0.1])
+    assert s["total_steps"] == 4 and s["total_time_s"] == pytest.approx(4.0)
+    assert s["linear"] is False and s["lr_rule"] == "none"
+    assert [p["lr_factor"] for p in s["phases"]] == [1.0, 1.0]
+    # the plan's own rows: the batch of the first phase, the length and time of the whole run
+    assert d["accum_steps"] == 4 and d["global_batch_tokens"] == 4096
+    assert d["step_time_s"] == pytest.approx(0.4)
+    assert d["steps"] == 4 and d["total_tokens"] == 40960
+    assert d["total_time_h"] == pytest.approx(4.0 / 3600)
+
+
+def test_linear_ramp_phases_by_hand(capsys):
+    d = plan_json(
+        capsys, "--batch-schedule", "linear:0:2k,8k:6k", *SMALL[:4], "--total-tokens", "24k"
+    )
+    # target(t) = 2,000 + t / 2 up to 8,000 tokens seen, 6,000 after; k = round(target / 1024)
+    # t = 0: 2,000 -> k 2, one step to 2,048; target(2,048) = 3,024 -> k 3
+    # t = 2,048: k 3, one step to 5,120; target(5,120) = 4,560 -> k 4
+    # t = 5,120: k 4, one step to 9,216; past the ramp, 6,000 -> k 6
+    # t = 9,216: k 6 (6,144 a step): ceil((24,000 - 9,216) / 6,144) = 3 steps, to 27,648
+    phases = d["batch_schedule"]["phases"]
+    assert [(p["accum_steps"], p["steps"], p["end_tokens"]) for p in phases] == [
+        (2, 1, 2048),
+        (3, 1, 5120),
+        (4, 1, 9216),
+        (6, 3, 27648),
+    ]
+    assert d["batch_schedule"]["linear"] is True
+    assert d["batch_schedule"]["total_steps"] == 6 and d["total_tokens"] == 27648
+    assert all(p["time_s"] is None for p in phases) and d["batch_schedule"]["total_time_s"] is None
+
+
+@pytest.mark.parametrize("rule, first", [("sqrt", 0.5), ("linear", 0.25), ("none", 1.0)])
+def test_schedule_lr_belongs_to_the_last_batch(capsys, rule, first):
+    d = plan_json(
+        capsys, "--batch-schedule", "0:4k,8k:16k", *SMALL, "--base-lr", "1e-3", "--lr-rule", rule
+    )
+    # phase batches 4,096 and 16,384 tokens: c = 1/4 in the first, 1 in the last
+    phases = d["batch_schedule"]["phases"]
+    assert [p["lr_factor"] for p in phases] == pytest.approx([first, 1.0])
+    assert [p["lr"] for p in phases] == pytest.approx([1e-3 * first, 1e-3])
+    assert d["lr"] == pytest.approx(1e-3 * first)  # the plan's row: the first phase
+
+
+def test_schedule_time_from_flops_per_phase(capsys):
+    d = plan_json(
+        capsys,
+        "--batch-schedule",
+        "0:4k,8k:16k",
+        *SMALL,
+        "--gpus",
+        "2",
+        "--params",
+        "1M",
+        "--peak-tflops",
+        "0.001",
+        "--mfu",
+        "50%",
+    )
+    # 2 devices x 1,024 tokens a micro-step: k 2 (4,096 tokens) then k 8 (16,384)
+    for p in d["batch_schedule"]["phases"]:
+        per_step = 6 * 1e6 * p["tokens_per_step"] / (2 * 1e9 * 0.5)
+        assert p["time_s"] == pytest.approx(p["steps"] * per_step)
+    assert d["batch_schedule"]["total_time_s"] == pytest.approx(6 * 1e6 * 40960 / 1e9)
+
+
+def test_schedule_json_keys(capsys):
+    d = plan_json(capsys, "--batch-schedule", "0:4k,8k:16k", *SMALL)
+    s = d["batch_schedule"]
+    assert {"linear", "lr_rule", "phases", "total_steps", "total_time_s"} <= set(s)
+    assert set(s["phases"][0]) >= {
+        "start_tokens",
+        "end_tokens",
+        "accum_steps",
+        "tokens_per_step",
+        "steps",
+        "tokens",
+        "time_s",
+        "lr_factor",
+    }
+    assert plan_json(capsys, "--target-tokens", "4k", *SMALL)["batch_schedule"] is None
+
+
+def test_schedule_table(capsys):
+    code, out, err = run_plan(capsys, "--batch-schedule", "0:4k,8k:16k", *SMALL)
+    assert code == 0 and err == ""
+    plan_table, phase_table = out.split("batch schedule 0:4k,8k:16k: ")
+    assert "2 phases" in plan_table and "batch rows: the first phase" in plan_table
+    assert "tokens / step = 1 x 1,024 x k x 1, LR rule none" in phase_table
+    rows = [line.split("│")[1:-1] for line in phase_table.splitlines() if line.startswith("│")]
+    cells = [[c.strip() for c in row] for row in rows]
+    # phase, from, to, k, tokens / step, steps, tokens, time ("-": no time known), LR x
+    assert cells == [
+        ["1", "0", "8.19k", "4", "4,096", "2", "8.19k", "-", "1"],
+        ["2", "8.19k", "41k", "16", "16,384", "2", "32.8k", "-", "1"],
+        ["total", "0", "41k", "", "", "4", "41k", "-", ""],
+    ]
+
+
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["--target-tokens", "1M"], "--target-tokens 1M conflicts with --batch-schedule"),
+        (["--target-sequences", "8"], "--target-sequences 8 conflicts with --batch-schedule"),
+        (["--accum-steps", "4"], "--accum-steps 4 conflicts with --batch-schedule"),
+        (["--base-lr", "1e-3", "--base-batch-tokens", "1M"], "--base-batch-tokens 1M conflicts"),
+    ],
+)
+def test_schedule_excludes_other_batches(capsys, args, named):
+    code, out, err = run_plan(capsys, "--batch-schedule", "0:4k,8k:16k", *SMALL, *args)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert named in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "schedule, rest, named",
+    [
+        ("4k", SMALL, "--batch-schedule 4k: '4k' is not TOKENS_SEEN:TOKENS_PER_STEP"),
+        ("1k:4k", SMALL, "--batch-schedule 1k:4k: the first point must start at 0"),
+        ("0:4k,8k:lots", SMALL, "--batch-schedule"),
+        ("0:4k,8k:16k", SMALL[:4], "--batch-schedule 0:4k,8k:16k: needs --total-tokens"),
+        ("0:4k,8k:16k", ["--micro-batch", "1", "--total-tokens", "40k"], "needs --seq-len"),
+        # 1,000 tokens per step is below one micro-batch of 1,024 tokens on one device
+        ("0:4k,8k:1k", SMALL, "--batch-schedule 0:4k,8k:1k: its smallest target, 1,000"),
+        # 4,000 tokens per step is below 1,024 tokens on each of 8 devices
+        ("0:4k,8k:16k", [*SMALL, "--gpus", "8"], "(1,024 x 8 = 8,192 tokens)"),
+    ],
+)
+def test_bad_schedules_exit_2_with_one_line(capsys, schedule, rest, named):
+    code, out, err = run_plan(capsys, "--batch-schedule", schedule, *rest)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert named in err and "Traceback" not in err

@@ -169,3 +169,41 @@ def test_noise_scale_needs_the_token_mean():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="noise_scale"):
         Accumulator(model, opt, noise_scale=True, normalize="micro_batch_mean")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 16])
+def test_micro_batch_sums_match_each_micro_batch_gradient_by_autograd(rows):
+    """sum_i |g_i|^2 n_i against each micro-batch's own gradient from torch.autograd.grad:
+    a parameter left out of a micro-batch adds nothing to it (not the last one's norm), a
+    micro-batch without tokens or with factor 0 adds nothing and is not counted, and the
+    factor may change between micro-batches (however many wait in the buffer)."""
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
+    params = [*a.parameters(), *b.parameters()]
+    x = torch.randn(5, 3, 4)
+    masks = torch.tensor([[1, 1, 1], [1, 0, 1], [0, 0, 0], [1, 1, 1], [1, 1, 0]]).float()
+    uses_b = [True, False, True, False, True]
+    factors = [1 / 64, 1 / 32, 1 / 32, 0.0, 1 / 16]  # what the engine's backward multiplies by
+
+    def loss_sum(i):
+        out = a(x[i]) + b(x[i]) if uses_b[i] else a(x[i])
+        return (out.squeeze(-1).pow(2) * masks[i]).sum(), masks[i].sum().long()
+
+    expected, counted = 0.0, 0
+    for i in range(5):  # before the hooks exist: the truth, in fp64
+        loss, n = loss_sum(i)
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        squared = sum(float(g.double().pow(2).sum()) for g in grads if g is not None)
+        if n > 0 and factors[i]:
+            expected += squared / int(n)
+            counted += 1
+
+    noise = NoiseScale(torch.device("cpu"), rows=rows)
+    noise.watch(params)
+    for i in range(5):
+        loss, n = loss_sum(i)
+        (loss * factors[i]).backward()
+        noise.end_micro(factors[i], n)
+    weighted, micro_batches = noise.local_sums().tolist()
+    assert counted == 3 and micro_batches == 3
+    assert weighted == pytest.approx(expected, rel=1e-6)

@@ -162,7 +162,9 @@ def test_measured_time_gives_mfu():
     assert plan.mfu_implied == pytest.approx(6e9 * 16384 / (1.0 * 2 * 100e12))
 
 
-@pytest.mark.parametrize("rule, factor", [("linear", 4.0), ("sqrt", 2.0), (None, 2.0)])
+@pytest.mark.parametrize(
+    "rule, factor", [("linear", 4.0), ("sqrt", 2.0), ("none", 1.0), (None, 2.0)]
+)
 def test_lr_scaling(rule, factor):
     plan = make_plan(
         PlanInputs(
@@ -405,3 +407,63 @@ def test_params_with_a_shape_counts_params_and_sizes_activations_by_shape():
     assert counted.memory.params_gb == pytest.approx(4.0)  # 1e9 fp32 parameters x 4 bytes
     assert counted.flops_total == 6 * 10**9 * (4 * 32 * 10)  # 6 N D, D = 4 x 32 x 10 steps
     assert counted.memory.activations_gb == by_shape.memory.activations_gb
+
+
+def test_schedule_micro_batch_from_memory_fits_the_smallest_target():
+    # Decreasing batch: 64 sequences of 1,024 tokens, then 16. On 2 devices a micro-batch of
+    # 32 would land the first target exactly, but the second must hold one micro-batch per
+    # device: at most 16 / 2 = 8 sequences, which lands 16 exactly with k = 1.
+    plan = make_plan(
+        PlanInputs(
+            model="gpt2-124m",
+            device_memory=80 * 10**9,
+            seq_len=1024,
+            gpus=2,
+            batch_schedule="0:64Ki,1M:16Ki",
+            total_tokens=2 * 10**6,
+        )
+    )
+    assert plan.memory.max_micro_batch > 32
+    assert plan.micro_batch == 8 and plan.accum_steps == 64 // (8 * 2)
+    assert [p.accum_steps for p in plan.batch_schedule.phases] == [4, 1]
+    # 1M tokens at 65,536 a step: ceil(15.26) = 16 steps, to 1,048,576; the other 951,424
+    # at 16,384 a step: ceil(58.07) = 59
+    assert [p.steps for p in plan.batch_schedule.phases] == [16, 59]
+    assert plan.steps == 75 and plan.total_tokens == 16 * 65_536 + 59 * 16_384
+
+
+@settings(max_examples=40, derandomize=True, deadline=None)
+@given(
+    first=st.integers(1, 64),
+    growth=st.integers(1, 64),
+    switch=st.integers(1, 2**24),
+    total=st.integers(1, 2**26),
+    micro_batch=st.integers(1, 4),
+    gpus=st.integers(1, 8),
+    micro_step_s=st.floats(0.01, 5),
+)
+def test_schedule_plan_totals_are_its_phases(
+    first, growth, switch, total, micro_batch, gpus, micro_step_s
+):
+    seq_len = 256
+    per_micro_step = micro_batch * seq_len * gpus
+    small, large = first * per_micro_step, first * growth * per_micro_step
+    plan = make_plan(
+        PlanInputs(
+            batch_schedule=f"0:{small},{switch}:{large}",
+            total_tokens=total,
+            seq_len=seq_len,
+            micro_batch=micro_batch,
+            gpus=gpus,
+            micro_step_time=micro_step_s,
+        )
+    )
+    phases = plan.batch_schedule.phases
+    # whole micro-batches in every target: k is the target over the micro-step, exactly
+    assert phases[0].accum_steps == plan.accum_steps == first
+    assert {p.accum_steps for p in phases} <= {first, first * growth}
+    assert plan.steps == sum(p.steps for p in phases)
+    assert total <= plan.total_tokens < total + phases[-1].tokens_per_step
+    micro_steps = sum(p.steps * p.accum_steps for p in phases)
+    assert plan.total_time_h * 3600 == pytest.approx(micro_steps * micro_step_s)
+    assert plan.step_time_s == pytest.approx(first * micro_step_s)

@@ -30,7 +30,11 @@ class BadInput(ValueError):
         super().__init__(message)
 
 
-class RanksLost(RuntimeError):
+class RunFailed(RuntimeError):
+    """A run that cannot go on, for a reason said in one line (exit 1, no traceback)."""
+
+
+class RanksLost(RunFailed):
     """Under torchrun, the other ranks stopped answering (one died or hangs): one line, exit 1."""
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -57,7 +58,8 @@ class NoiseScale:
     """Collects each micro-batch's squared gradient norm as backward produces it, and keeps
     the moving averages. The engine drives it (`Accumulator(noise_scale=True)`):
 
-    - `watch(params)` once: a hook per parameter adds |grad|^2 of the micro-batch in flight;
+    - `watch(params)` once: a hook per parameter writes |grad| of the micro-batch in flight
+      into that parameter's column of the micro-batch's row of one buffer;
     - `end_micro(factor, tokens)` after each backward: `factor` is what that backward's loss
       sum was multiplied by (1/N, the world factor and the loss scale), undone here;
     - `local_sums()` at the window's end: (sum_i |g_i|^2 n_i, micro-batches) on this rank,
@@ -67,46 +69,96 @@ class NoiseScale:
     micro-batch (memory does not grow with k).
     """
 
-    def __init__(self, device: torch.device, decay: float = 0.99):
+    def __init__(self, device: torch.device, decay: float = 0.99, rows: int = 16):
+        """`rows`: micro-batches whose norms wait in the buffer before they are added to
+        the sums (the buffer holds rows x parameters fp32 norms)."""
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"noise decay {decay}: must be in [0, 1)")
+        if rows < 1:
+            raise ValueError(f"noise rows {rows}: must be at least 1")
         self.decay = decay
+        self.rows = rows
         self._device = device
-        self._micro_norms: list[torch.Tensor] = []  # one 0-d tensor per parameter
+        # Each small op after a backward costs as much as a parameter's norm, so a
+        # micro-batch only fills a row (its norms from the hooks, its tokens here) and the
+        # arithmetic runs once per `rows` micro-batches, or per window.
+        self._norms = torch.zeros(self.rows, 0, dtype=torch.float32, device=device)
+        self._slots: list[list[torch.Tensor]] = []  # [row][parameter]: 0-d views of _norms
+        self._tokens = torch.zeros(self.rows, dtype=torch.float64, device=device)
+        self._token_slots = self._tokens.unbind()
+        self._row = 0  # the micro-batch in flight
+        self._factor = 0.0  # the factor of the rows filled so far
+        self._seen = False  # a hook wrote into the row in flight
         self._sums = torch.zeros(2, dtype=torch.float64, device=device)
+        self._weighted, self._micro_batches = self._sums.unbind()  # views into _sums
         self._ema_g2 = 0.0
         self._ema_trace = 0.0
         self.ema_steps = 0
         self.last: NoiseEstimate | None = None
 
     def watch(self, params) -> list:
-        """Register the per-parameter gradient hooks; returns their handles."""
-        return [p.register_hook(self._on_grad) for p in params if p.requires_grad]
+        """Register the per-parameter gradient hooks, once; returns their handles."""
+        params = [p for p in params if p.requires_grad]
+        self._norms = torch.zeros(self.rows, len(params), dtype=torch.float32, device=self._device)
+        self._slots = [list(row.unbind()) for row in self._norms]
+        return [p.register_hook(partial(self._on_grad, i)) for i, p in enumerate(params)]
 
-    def _on_grad(self, grad: torch.Tensor) -> None:
+    def _on_grad(self, index: int, grad: torch.Tensor) -> None:
         if hasattr(grad, "to_local"):  # a DTensor gradient: this rank's shard
             grad = grad.to_local()
-        self._micro_norms.append(torch.linalg.vector_norm(grad.detach(), dtype=torch.float32))
+        if grad.requires_grad:  # only under create_graph; out= takes no graph
+            grad = grad.detach()
+        torch.linalg.vector_norm(grad, dtype=torch.float32, out=self._slots[self._row][index])
+        self._seen = True
 
     def end_micro(self, factor: float, tokens) -> None:
         """Close one micro-batch: |g_i|^2 n_i = |factor * sum-gradient|^2 / (factor^2 n_i)."""
-        if factor and self._micro_norms:
-            squared = torch.stack(self._micro_norms).double().square().sum()
-            n = torch.as_tensor(tokens, device=self._device).to(torch.float64)
-            own = squared / (factor * factor) / n.clamp(min=1)
-            self._sums[0] += torch.where(n > 0, own, torch.zeros_like(own))
-            self._sums[1] += (n > 0).double()
-        self._micro_norms.clear()
+        row = self._row
+        if not (factor and self._seen):
+            self._norms[row].zero_()
+        else:
+            if row and factor != self._factor:  # rows of another factor: fold them first
+                self._fold()
+                self._norms[0].copy_(self._norms[row])
+                self._norms[row].zero_()
+            if isinstance(tokens, torch.Tensor):
+                self._token_slots[self._row].copy_(tokens)
+            else:
+                self._token_slots[self._row].fill_(tokens)
+            self._factor = factor
+            self._row += 1
+            if self._row == self.rows:
+                self._fold()
+        self._seen = False
+
+    def _fold(self) -> None:
+        """Add the filled rows to the sums and clear them; a micro-batch without tokens adds
+        nothing and does not count."""
+        filled = slice(0, self._row)
+        n = self._tokens[filled]
+        has_tokens = n > 0
+        squared = torch.linalg.vector_norm(self._norms[filled], dim=1, dtype=torch.float64).square()
+        own = torch.where(has_tokens, squared / n, 0.0).sum()  # where drops 0/0
+        self._weighted.add_(own, alpha=1.0 / (self._factor * self._factor))
+        self._micro_batches.add_(has_tokens.sum())
+        self._norms[filled].zero_()
+        self._tokens[filled].zero_()
+        self._row = 0
 
     def local_sums(self) -> torch.Tensor:
         """This rank's (sum_i |g_i|^2 n_i, micro-batches with tokens), fp64; then cleared."""
+        if self._row:
+            self._fold()
         sums = self._sums.clone()
         self._sums.zero_()
         return sums
 
     def abandon(self) -> None:
         """Forget the window in progress (the engine abandoned it)."""
-        self._micro_norms.clear()
+        self._norms.zero_()
+        self._tokens.zero_()
+        self._row = 0
+        self._seen = False
         self._sums.zero_()
 
     def update(

@@ -203,3 +203,40 @@ def test_a_rank_that_stops_answering_fails_the_other_within_the_timeout(tmp_path
     assert len(lines) == 1, stderr[-3000:]
     assert "rank 0 of 2: another rank stopped answering" in lines[0]
     assert "--dist-timeout 10 s" in lines[0]
+
+
+@pytest.mark.slow
+def test_a_batch_schedule_under_two_ranks_matches_one_process(tmp_path):
+    """k follows the schedule from the tokens seen over all ranks: 2 ranks x micro-batch 4 take
+    the same windows, lr and noise scale as one process with micro-batch 4 and twice their k
+    (the same micro-batches: the noise scale depends on how a window is split)."""
+    data = tmp_path / "markov.npy"
+    np.save(data, MarkovCorpus().generate(60_000, seed=3).astype(np.uint16))
+    schedule = ["--batch-schedule", "0:512,2048:1024,4096:2048", "--lr-rule", "sqrt"]
+    common = ["--data", str(data), "--seq-len", "32", "--max-tokens", "8k", "--eval-every", "0"]
+    common += ["--noise-scale", *schedule]
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    argv += ["2", "-m", "gradaccum", "train", "--micro-batch", "4", "--out", str(tmp_path / "two")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([*argv, *common], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one = [sys.executable, "-m", "gradaccum", "train", "--micro-batch", "4"]
+    proc = subprocess.run(
+        [*one, "--out", str(tmp_path / "one"), *common], capture_output=True, text=True, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    def records(name):
+        lines = read_metrics(os.path.join(tmp_path / name, "metrics.jsonl"))
+        return [r for r in lines if "loss" in r]
+
+    two, one = records("two"), records("one")
+    assert [r["tokens_per_step"] for r in two] == [r["tokens_per_step"] for r in one]
+    assert [r["tokens_per_step"] for r in two][0] == 512 and two[-1]["tokens_per_step"] == 2048
+    assert [r["lr"] for r in two] == pytest.approx([r["lr"] for r in one], rel=1e-12)
+    assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-5)
+    noise_two = [r["noise_scale_tokens"] for r in two if "noise_scale_tokens" in r]
+    noise_one = [r["noise_scale_tokens"] for r in one if "noise_scale_tokens" in r]
+    assert len(noise_two) == len(noise_one) > 0
+    assert noise_two == pytest.approx(noise_one, rel=1e-4)
+    assert [2 * r["accum_steps"] for r in two] == [r["accum_steps"] for r in one]

@@ -9,6 +9,8 @@ import pytest
 from gradaccum.cli import main
 from gradaccum.train.corpus import MarkovCorpus
 
+from .helpers import one_line_error
+
 SMALL = [
     "--seq-len",
     "32",
@@ -31,16 +33,6 @@ def data(tmp_path_factory):
     (folder / "notes.csv").write_text("a,b\n")
     (folder / "short.txt").write_text("too short")
     return folder
-
-
-def one_line_error(capsys, argv) -> str:
-    code = main(argv)
-    captured = capsys.readouterr()
-    assert code == 2, captured
-    lines = captured.err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
-    assert captured.out == ""
-    return lines[0]
 
 
 BAD = [

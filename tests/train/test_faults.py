@@ -19,6 +19,8 @@ from gradaccum.train.corpus import MarkovCorpus
 from gradaccum.train.loop import train
 from gradaccum.train.metrics import read_metrics, without_timing
 
+from .helpers import one_line_error
+
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
@@ -32,16 +34,6 @@ SMALL = ["--seq-len", "16", "--micro-batch", "2", "--accum-steps", "2", "--eval-
 
 def cli(out, data, *extra) -> list[str]:
     return ["train", "--data", str(data / "markov.npy"), *SMALL, "--out", str(out), *extra]
-
-
-def one_line_error(capsys, argv) -> str:
-    code = main(argv)
-    captured = capsys.readouterr()
-    assert code == 2, captured
-    lines = captured.err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
-    assert captured.out == ""
-    return lines[0]
 
 
 def records(out) -> list[dict]:

@@ -21,6 +21,8 @@ from gradaccum.train.corpus import MarkovCorpus
 from gradaccum.train.loop import train
 from gradaccum.train.metrics import read_metrics, without_timing
 
+from . import helpers
+
 pytestmark = pytest.mark.slow  # end-to-end runs: minutes on two loaded cores
 
 
@@ -51,12 +53,7 @@ def records(out) -> list[dict]:
 
 
 def one_line_error(capsys, argv) -> str:
-    code = main(argv)
-    captured = capsys.readouterr()
-    assert code == 2, captured
-    lines = captured.err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
-    return lines[0]
+    return helpers.one_line_error(capsys, argv, stdout_empty=False)
 
 
 def cli(out, data, *extra) -> list[str]:

@@ -7,7 +7,7 @@ import os
 import re
 import sys
 
-from ..errors import BadInput, RanksLost
+from ..errors import BadInput, RunFailed
 from .common import ArgumentParser
 
 # name -> module under gradaccum.cli that defines add_parser(subparsers) and run(args) -> int
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("RANK", "0") == "0":  # under torchrun, say it once
             print(f"{getattr(err, 'prog', 'gradaccum')}: error: {err}", file=sys.stderr)
         return 2
-    except RanksLost as err:
+    except RunFailed as err:
         print(f"gradaccum: error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

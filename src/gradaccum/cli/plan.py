@@ -10,6 +10,7 @@ import sys
 
 from ..errors import flag_name
 from ..plan import LR_RULES, PlanInputs, make_plan, render_table
+from ..plan.batch_schedule import parse_batch_schedule
 from ..plan.memory import CHECKPOINTING, OPTIMIZERS, PRECISIONS
 from ..plan.presets import PRESETS
 from ..plan.sizes import parse_bytes, parse_count, parse_float, parse_seconds
@@ -27,6 +28,7 @@ _PARSERS.update(
     peak_tflops=parse_float,
     base_lr=parse_float,
     mfu=lambda text, flag: parse_float(text, flag, allow_percent=True),
+    batch_schedule=parse_batch_schedule,
 )
 
 _EPILOG = """\
@@ -37,6 +39,17 @@ times 300ms, 1.5s, 2min. Examples:
       --flash-attention --device-memory 80GB --total-tokens 1T --peak-tflops 989 --mfu 0.4
   gradaccum plan --model llama2-7b --lora-rank 16 --device-memory 24GB --seq-len 2048 \\
       --micro-batch 1 --checkpointing full --target-tokens 32k
+  gradaccum plan --batch-schedule "0:32k,1B:256k,10B:4M" --total-tokens 20B --seq-len 2048 \\
+      --micro-batch 1 --gpus 8 --model llama2-7b --micro-step-time 250ms --base-lr 3e-4 \\
+      --lr-rule sqrt
+
+batch schedule: TOKENS_SEEN:TOKENS_PER_STEP points, the first at 0; step-wise, or a linear
+  ramp between the points with a linear: prefix (linear:0:32k,10B:4M). k is rounded per
+  window from the target, at least 1, so every target must hold one micro-batch on every
+  device; the micro-batch stays (picked for the smallest target when --device-memory picks
+  it). The plan's batch rows describe the first phase; steps, tokens and time are the whole
+  run's, and a table of the phases follows, each phase's time at its own k. The LR
+  (--base-lr) belongs to the schedule's last batch; --lr-rule scales it for the others.
 
 memory per device assumes (bytes; `gradaccum fit` measures the same terms):
   parameters: 2 each in bf16/fp16, 4 in fp32; ZeRO-3 gathers one block at a time.
@@ -66,6 +79,12 @@ def add_parser(sub, name: str) -> None:
     batch.add_argument("--target-tokens", metavar="N", help="wanted tokens per step (1M, 4Mi)")
     batch.add_argument("--target-sequences", metavar="N", help="wanted sequences per step")
     batch.add_argument("--accum-steps", metavar="K", help="k given: the global batch follows")
+    batch.add_argument(
+        "--batch-schedule",
+        metavar="SCHEDULE",
+        help="tokens per step by tokens seen, 0:32k,1B:256k,10B:4M or linear:0:32k,10B:4M; "
+        "needs --total-tokens (see below)",
+    )
     micro = p.add_argument_group("micro-batch and devices")
     micro.add_argument("--seq-len", metavar="N", help="tokens per sequence")
     micro.add_argument("--micro-batch", metavar="N", help="sequences per device per micro-step")
@@ -117,9 +136,18 @@ def add_parser(sub, name: str) -> None:
         help="LoRA at rank R on every linear layer of every block (needs a model shape)",
     )
     lr = p.add_argument_group("learning rate")
-    lr.add_argument("--base-lr", metavar="X", help="LR tuned at --base-batch-tokens")
+    lr.add_argument(
+        "--base-lr",
+        metavar="X",
+        help="LR tuned at --base-batch-tokens (with --batch-schedule: at its last batch)",
+    )
     lr.add_argument("--base-batch-tokens", metavar="N", help="global batch of --base-lr, tokens")
-    lr.add_argument("--lr-rule", choices=LR_RULES, help="sqrt for adamw, linear for sgd")
+    lr.add_argument(
+        "--lr-rule",
+        choices=LR_RULES,
+        help="LR for a batch c times the base: x 1, x c, x sqrt(c); default sqrt for adamw, "
+        "linear for sgd, none with --batch-schedule",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 

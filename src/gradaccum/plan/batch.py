@@ -10,19 +10,22 @@ Rules:
 - FLOPs = 6 x params x tokens (Kaplan et al. 2020); with --peak-tflops and --mfu the time
   comes from FLOPs / (peak x MFU) when no micro-step time is measured.
 - LR for a batch c times the base batch: linear, lr x c (SGD; Goyal et al. 2017), or square
-  root, lr x sqrt(c) (Adam; Malladi et al. 2022).
+  root, lr x sqrt(c) (Adam; Malladi et al. 2022), or none.
+- A batch schedule: the batch rows describe its first phase; steps, tokens and time are the
+  whole run's, phase by phase (`schedule_plan`), each phase's step time from its own k.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from ..errors import BadInput
 from . import memory as mem
+from .batch_schedule import lr_multiplier
 from .communication import Communication, traffic
 from .inputs import LR_RULES, PlanInputs, show_value
 from .presets import ModelShape, custom, preset
+from .schedule_plan import SchedulePlan, plan_schedule
 from .sizes import fmt_bytes, fmt_int
 
 _SEARCH = 65536  # micro-batches tried, from the top down, when looking for the best landing
@@ -113,6 +116,8 @@ class Plan:
     """'--micro-step-time' or 'FLOPs / (peak x MFU)'."""
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    batch_schedule: SchedulePlan | None = None
+    """With --batch-schedule: the run phase by phase (the batch rows above are its first)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -194,10 +199,13 @@ def _micro_and_target(i: PlanInputs) -> _Batch:
                     f"of --seq-len {seq_len}"
                 )
             batch.micro_batch = i.micro_tokens // seq_len
-    if i.target_tokens is not None:
-        batch.target, batch.unit, batch.target_flag = i.target_tokens, "tokens", "--target-tokens"
-        if seq_len and i.target_tokens % seq_len == 0:
-            batch.target_seq = i.target_tokens // seq_len
+    tokens, flag = i.target_tokens, "--target-tokens"
+    if i.batch_schedule is not None:  # the plan's batch rows describe the first phase
+        tokens, flag = i.batch_schedule.points[0][1], "--batch-schedule"
+    if tokens is not None:
+        batch.target, batch.unit, batch.target_flag = tokens, "tokens", flag
+        if seq_len and tokens % seq_len == 0:
+            batch.target_seq = tokens // seq_len
     elif i.target_sequences is not None:
         batch.target, batch.unit = i.target_sequences, "sequences"
         batch.target_flag, batch.target_seq = "--target-sequences", i.target_sequences
@@ -273,6 +281,8 @@ def make_plan(i: PlanInputs) -> Plan:
     notes: list[str] = []
     batch, fit_cap = _choose_micro_batch(i, shape, held, setup, world, notes)
     micro_batch, micro_tokens = batch.micro_batch, batch.micro_tokens
+    if i.batch_schedule is not None:
+        _check_schedule_micro(i, batch, world)
 
     # k, and the global batch it gives: micro x k x world, exactly.
     _accum_steps(batch, i, world)
@@ -284,7 +294,8 @@ def make_plan(i: PlanInputs) -> Plan:
         landed = global_tok if batch.unit == "tokens" else global_seq
         deviation = (landed - batch.target) / batch.target
         if abs(deviation) > 0.01:
-            warnings.append(_deviation_warning(batch, landed, world, fit_cap))
+            first = "first phase: " if i.batch_schedule is not None else ""
+            warnings.append(first + _deviation_warning(batch, landed, world, fit_cap))
     if k is None:
         notes.append(
             "k needs a global batch (--target-tokens or --target-sequences) and a micro-batch "
@@ -292,10 +303,11 @@ def make_plan(i: PlanInputs) -> Plan:
         )
     memory = _memory_report(i, shape, params, held, setup, batch, fit_cap, global_seq, warnings)
     _memory_notes(i, shape, params, trainable, setup, world, micro_batch, warnings, notes)
-    steps, total_tokens = _length(i, global_tok)
-    timing = _timing(i, params, global_tok, total_tokens, k, steps, world, notes)
-    lr, lr_scale, lr_rule = _learning_rate(i, global_tok, setup, notes)
-    target_tokens = i.target_tokens
+    scheduled = _schedule(i, params, micro_tokens, world)
+    steps, total_tokens = _length(i, global_tok, scheduled)
+    timing = _timing(i, params, global_tok, total_tokens, k, steps, world, notes, scheduled)
+    lr, lr_scale, lr_rule = _learning_rate(i, global_tok, micro_tokens, world, setup, notes)
+    target_tokens = batch.target if batch.unit == "tokens" else None
     if target_tokens is None and i.target_sequences and seq_len:
         target_tokens = i.target_sequences * seq_len
     return Plan(
@@ -331,6 +343,7 @@ def make_plan(i: PlanInputs) -> Plan:
         accum_steps_from=batch.k_from,
         warnings=warnings,
         notes=notes,
+        batch_schedule=scheduled,
     )
 
 
@@ -356,14 +369,42 @@ def _choose_micro_batch(i: PlanInputs, shape, held, setup, world: int, notes: li
     if shape is not None and seq_len and i.device_memory:
         fit_cap = mem.max_micro_batch(held, shape, setup, seq_len, i.device_memory)
     if batch.micro_from is None and batch.target is not None and fit_cap:
-        batch.micro_batch = _pick_micro_batch(batch, seq_len, world, fit_cap)
+        aim, cap, what = batch, fit_cap, "the target"
+        if i.batch_schedule is not None:  # every phase must hold one micro-batch per device
+            smallest = i.batch_schedule.smallest_target()
+            whole = smallest // seq_len
+            aim = replace(
+                batch, target=smallest, target_seq=whole if whole * seq_len == smallest else None
+            )
+            cap, what = max(1, min(fit_cap, whole // world)), "the schedule's smallest target"
+        batch.micro_batch = _pick_micro_batch(aim, seq_len, world, cap)
         batch.micro_tokens = batch.micro_batch * seq_len
         batch.micro_from = "largest that fits --device-memory"
         notes.append(
             f"micro-batch {batch.micro_batch}: of the micro-batches that fit --device-memory "
-            f"(at most {fit_cap}), the largest that lands closest to the target"
+            f"(at most {fit_cap}), the largest that lands closest to {what}"
         )
     return batch, fit_cap
+
+
+def _check_schedule_micro(i: PlanInputs, batch: _Batch, world: int) -> None:
+    """A schedule needs the micro-batch in tokens, and its smallest target must hold one
+    micro-batch on every device (k cannot go below 1)."""
+    schedule = i.batch_schedule
+    if batch.micro_tokens is None:
+        need = "a micro-batch: --micro-batch, --micro-tokens, or --device-memory with a model"
+        if batch.micro_from == "--micro-batch":
+            need = "--seq-len to turn --micro-batch into tokens"
+        raise BadInput("--batch-schedule", schedule, f"needs {need}")
+    per_micro_step, smallest = batch.micro_tokens * world, schedule.smallest_target()
+    if smallest < per_micro_step:
+        raise BadInput(
+            "--batch-schedule",
+            schedule,
+            f"its smallest target, {fmt_int(smallest)} tokens per step, is below one micro-batch "
+            f"x world ({fmt_int(batch.micro_tokens)} x {world} = {fmt_int(per_micro_step)} "
+            f"tokens); give a smaller micro-batch or fewer --gpus",
+        )
 
 
 def _memory_report(i, shape, params, held, setup, batch, fit_cap, global_seq, warnings):
@@ -405,8 +446,26 @@ def _memory_notes(i, shape, params, trainable, setup, world, micro_batch, warnin
         warnings.append(f"--zero {setup.zero} shards nothing on one device (--gpus 1)")
 
 
-def _length(i: PlanInputs, global_tok: int | None) -> tuple[int | None, int | None]:
-    """Steps and tokens: --total-tokens rounds the steps up, so the run reaches it."""
+def _schedule(i: PlanInputs, params, micro_tokens, world: int) -> SchedulePlan | None:
+    """The scheduled run phase by phase, each phase's step time at its own k."""
+    if i.batch_schedule is None:
+        return None
+    return plan_schedule(
+        i.batch_schedule,
+        i.total_tokens,
+        micro_tokens,
+        world,
+        lr_rule=i.lr_rule or "none",
+        base_lr=i.base_lr,
+        step_time=lambda k, tokens_per_step: _step_time(i, params, world, k, tokens_per_step),
+    )
+
+
+def _length(i: PlanInputs, global_tok, scheduled: SchedulePlan | None):
+    """Steps and tokens: --total-tokens rounds the steps up, so the run reaches it; with a
+    schedule, phase by phase."""
+    if scheduled is not None:
+        return scheduled.total_steps, scheduled.total_tokens
     steps, total_tokens, requested = i.steps, None, i.total_tokens
     if steps is not None and global_tok is not None:
         total_tokens = steps * global_tok
@@ -419,14 +478,27 @@ def _length(i: PlanInputs, global_tok: int | None) -> tuple[int | None, int | No
     return steps, total_tokens
 
 
-def _timing(i, params, global_tok, total_tokens, k, steps, world, notes) -> dict:
-    """FLOPs and time: a measured micro-step time wins over peak x MFU."""
+def _step_time(i: PlanInputs, params, world: int, k, tokens_per_step) -> float | None:
+    """Seconds per optimizer step at k: k x the measured micro-step, else 6 N D over
+    (world x peak x MFU); None when neither is known."""
+    if i.micro_step_time is not None:
+        return None if k is None else k * i.micro_step_time
+    if i.peak_tflops and i.mfu and params and tokens_per_step:
+        peak = i.peak_tflops * 1e12
+        return 6 * params * tokens_per_step / (world * peak * i.mfu)
+    return None
+
+
+def _timing(i, params, global_tok, total_tokens, k, steps, world, notes, scheduled) -> dict:
+    """FLOPs and time: a measured micro-step time wins over peak x MFU; a scheduled run's
+    time is its phases' summed."""
     flops_step = 6 * params * global_tok if params and global_tok else None
     flops_total = 6 * params * total_tokens if params and total_tokens else None
-    step_time = total_s = mfu_implied = time_from = None
+    step_time = _step_time(i, params, world, k, global_tok)
+    total_s = mfu_implied = time_from = None
     peak = i.peak_tflops * 1e12 if i.peak_tflops else None
     if i.micro_step_time is not None and k is not None:
-        step_time, time_from = k * i.micro_step_time, "--micro-step-time"
+        time_from = "--micro-step-time"
         if peak and flops_step:
             mfu_implied = flops_step / (step_time * world * peak)
             if i.mfu is not None:
@@ -436,11 +508,11 @@ def _timing(i, params, global_tok, total_tokens, k, steps, world, notes) -> dict
                 )
     elif peak and i.mfu and (flops_step or flops_total):
         time_from = "FLOPs / (peak x MFU)"
-        if flops_step:
-            step_time = flops_step / (world * peak * i.mfu)
         if flops_total:
             total_s = flops_total / (world * peak * i.mfu)
-    if step_time is not None and steps is not None:
+    if scheduled is not None:
+        total_s = scheduled.total_time_s
+    elif step_time is not None and steps is not None:
         total_s = steps * step_time
     total_h = None if total_s is None else total_s / 3600
     return {
@@ -454,15 +526,21 @@ def _timing(i, params, global_tok, total_tokens, k, steps, world, notes) -> dict
     }
 
 
-def _learning_rate(i: PlanInputs, global_tok, setup, notes: list[str]):
-    """LR for the new global batch: (lr, scale, rule), all None without --base-lr."""
+def _learning_rate(i: PlanInputs, global_tok, micro_tokens, world, setup, notes: list[str]):
+    """LR for the new global batch: (lr, scale, rule), all None without --base-lr. With a
+    schedule the LR belongs to its last batch, and the rule is none unless given."""
     if i.base_lr is None or global_tok is None:
         return None, None, None
-    rule = i.lr_rule or ("sqrt" if setup.optimizer == "adamw" else "linear")
-    if i.lr_rule is None:
-        notes.append(f"LR rule {rule}: the default for {setup.optimizer} (--lr-rule)")
-    scale = global_tok / i.base_batch_tokens
-    return i.base_lr * (scale if rule == "linear" else math.sqrt(scale)), scale, rule
+    if i.batch_schedule is not None:
+        rule = i.lr_rule or "none"
+        base_tokens = i.batch_schedule.final_tokens_per_step(micro_tokens, world)
+    else:
+        rule = i.lr_rule or ("sqrt" if setup.optimizer == "adamw" else "linear")
+        if i.lr_rule is None:
+            notes.append(f"LR rule {rule}: the default for {setup.optimizer} (--lr-rule)")
+        base_tokens = i.base_batch_tokens
+    scale = global_tok / base_tokens
+    return i.base_lr * lr_multiplier(scale, rule), scale, rule
 
 
 def _deviation_warning(batch: _Batch, landed: int, world: int, fit_cap: int | None) -> str:

@@ -18,9 +18,19 @@ import math
 from dataclasses import dataclass
 
 from ..errors import BadInput
-from .sizes import parse_count
+from .sizes import fmt_count_exact, parse_count
 
 LR_RULES = ("none", "linear", "sqrt")
+
+
+def lr_multiplier(batch_ratio: float, rule: str) -> float:
+    """The LR's multiplier when the batch is `batch_ratio` times the one the LR was tuned at:
+    1 (none), the ratio (linear) or its square root (sqrt)."""
+    if rule not in LR_RULES:
+        raise BadInput("--lr-rule", rule, f"choose one of {', '.join(LR_RULES)}")
+    if rule == "none":
+        return 1.0
+    return batch_ratio if rule == "linear" else math.sqrt(batch_ratio)
 
 
 @dataclass(frozen=True)
@@ -46,15 +56,24 @@ class BatchSchedule:
         per_micro_step = micro_tokens * world
         return max(1, math.floor(self.target(tokens_seen) / per_micro_step + 0.5))
 
+    def final_tokens_per_step(self, micro_tokens: int, world: int = 1) -> int:
+        """Tokens per step after the last point: the batch the given LR belongs to."""
+        return self.accum_steps(self.points[-1][0], micro_tokens, world) * micro_tokens * world
+
     def lr_factor(self, tokens_per_step: int, rule: str, micro_tokens: int, world: int) -> float:
         """The LR multiplier for a window of `tokens_per_step` tokens (see the module doc)."""
-        if rule not in LR_RULES:
-            raise BadInput("--lr-rule", rule, f"choose one of {', '.join(LR_RULES)}")
-        if rule == "none":
-            return 1.0
-        final = self.accum_steps(self.points[-1][0], micro_tokens, world) * micro_tokens * world
-        ratio = tokens_per_step / final
-        return ratio if rule == "linear" else math.sqrt(ratio)
+        return lr_multiplier(
+            tokens_per_step / self.final_tokens_per_step(micro_tokens, world), rule
+        )
+
+    def smallest_target(self) -> int:
+        """The smallest target tokens per step anywhere in the run (a ramp's ends bound it)."""
+        return min(per_step for _, per_step in self.points)
+
+    def __str__(self) -> str:
+        """The schedule as the flag reads it: `0:32k,1B:256k` (`linear:` first for a ramp)."""
+        text = ",".join(f"{fmt_count_exact(a)}:{fmt_count_exact(b)}" for a, b in self.points)
+        return ("linear:" if self.linear else "") + text
 
 
 def parse_batch_schedule(text: str, flag: str = "--batch-schedule") -> BatchSchedule:
@@ -105,7 +124,7 @@ def phases(
         tps = k * micro_tokens * world
         start, steps = seen, 0
         while seen < total_tokens and schedule.accum_steps(seen, micro_tokens, world) == k:
-            limit = min(total_tokens, _constant_until(schedule, seen, k, micro_tokens * world))
+            limit = min(total_tokens, constant_until(schedule, seen, k, micro_tokens * world))
             jump = max(1, -(-(limit - seen) // tps))
             seen += jump * tps
             steps += jump
@@ -113,7 +132,7 @@ def phases(
     return out
 
 
-def _constant_until(schedule: BatchSchedule, seen: int, k: int, per_micro_step: int) -> int:
+def constant_until(schedule: BatchSchedule, seen: int, k: int, per_micro_step: int) -> int:
     """Tokens seen up to which k stays `k`: the next point, or on a ramp the point where
     the rounded target reaches k +- 1 (found in closed form, so a long ramp costs little)."""
     later = [start for start, _ in schedule.points if start > seen]

@@ -9,11 +9,11 @@ import math
 from dataclasses import dataclass
 
 from ..errors import BadInput, flag_name
+from .batch_schedule import LR_RULES, BatchSchedule, parse_batch_schedule
 from .memory import CHECKPOINTING, OPTIMIZERS, PRECISIONS
 from .presets import preset
 from .sizes import fmt_count_exact
 
-LR_RULES = ("linear", "sqrt")
 _COUNTS = (
     "target_tokens target_sequences accum_steps seq_len micro_batch micro_tokens gpus steps "
     "total_tokens params layers hidden heads vocab device_memory base_batch_tokens "
@@ -41,6 +41,9 @@ class PlanInputs:
     """Global batch wanted per optimizer step, in sequences."""
     accum_steps: int | None = None
     """k given directly instead of a target."""
+    batch_schedule: BatchSchedule | None = None
+    """Target tokens per step by tokens seen, instead of one target (a string is parsed:
+    `0:32k,1B:256k`); needs --total-tokens."""
     seq_len: int | None = None
     """Tokens per sequence."""
     micro_batch: int | None = None
@@ -92,9 +95,12 @@ class PlanInputs:
     base_batch_tokens: int | None = None
     """Global batch, in tokens, at which --base-lr was tuned."""
     lr_rule: str | None = None
-    """linear | sqrt; sqrt for adamw and linear for sgd when not given."""
+    """none | linear | sqrt; when not given: none with a batch schedule, else sqrt for adamw
+    and linear for sgd."""
 
     def __post_init__(self):
+        if isinstance(self.batch_schedule, str):
+            self.batch_schedule = parse_batch_schedule(self.batch_schedule)
         for name in _COUNTS:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -116,6 +122,8 @@ class PlanInputs:
             if value is not None and value not in choices:
                 raise BadInput(f"{flag_name(name)} {value}: expected one of {choices}")
         self._check_conflicts()
+        if self.batch_schedule is not None:
+            self._check_schedule()
         self._check_companions()
 
     def _given(self, *names: str) -> list[str]:
@@ -142,6 +150,28 @@ class PlanInputs:
                     f"{flag_name(b)} {show_value(getattr(self, b))}: give one of them"
                 )
 
+    def _check_schedule(self) -> None:
+        """A schedule sets the batch (no target or k beside it), its LR belongs to its last
+        batch (no --base-batch-tokens), and its phases are counted in tokens seen."""
+        why = {
+            "target_tokens": "the schedule sets the batch; give one of them",
+            "target_sequences": "the schedule sets the batch; give one of them",
+            "accum_steps": "the schedule sets k phase by phase; give one of them",
+            "steps": "a scheduled run's length is --total-tokens",
+            "base_batch_tokens": "--base-lr belongs to the schedule's last batch",
+        }
+        given = self._given(*why)
+        if given:
+            name = given[0]
+            raise BadInput(
+                f"{flag_name(name)} {show_value(getattr(self, name))} conflicts with "
+                f"--batch-schedule {self.batch_schedule}: {why[name]}"
+            )
+        if self.total_tokens is None:
+            raise BadInput(
+                "--batch-schedule", self.batch_schedule, "needs --total-tokens (the run's length)"
+            )
+
     def _check_companions(self) -> None:
         shape = ("layers", "hidden", "heads", "vocab")
         given = self._given(*shape)
@@ -157,12 +187,9 @@ class PlanInputs:
             raise BadInput(
                 "--lora-rank", self.lora_rank, "needs the model's shape (--model, or --layers ...)"
             )
-        needs = [
-            ("mfu", "peak_tflops"),
-            ("base_lr", "base_batch_tokens"),
-            ("base_batch_tokens", "base_lr"),
-            ("lr_rule", "base_lr"),
-        ]
+        needs = [("mfu", "peak_tflops"), ("base_batch_tokens", "base_lr")]
+        if self.batch_schedule is None:  # with one, the LR factor is shown without an LR
+            needs += [("base_lr", "base_batch_tokens"), ("lr_rule", "base_lr")]
         if self.peak_tflops is not None and self.mfu is None and self.micro_step_time is None:
             raise BadInput(
                 f"--peak-tflops {self.peak_tflops:g}: needs --mfu (or --micro-step-time, "

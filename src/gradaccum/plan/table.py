@@ -1,4 +1,5 @@
-"""A plan as a table for people: one row per number, its unit, and where it comes from."""
+"""A plan as a table for people: one row per number, its unit, and where it comes from;
+with a batch schedule, a second table of its phases."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ from rich.table import Table
 from rich.text import Text
 
 from .sizes import fmt_bytes, fmt_count, fmt_int, fmt_seconds
+
+_LR_RULE = {"none": "unchanged", "linear": "x c", "sqrt": "x sqrt(c)"}
+_PHASE_ROWS = 15  # more phases (a long ramp) show the first and last few and one row between
 
 
 def _flops(x: float) -> str:
@@ -45,6 +49,11 @@ def _rows(plan) -> list[tuple[str, str, str, str]]:
         if micro and target:
             how_k = f"round({fmt_int(target)} / ({fmt_int(micro)} x {w})), at least 1"
     add("accumulation steps k", k, str(k), "micro-batches / optimizer step", how_k)
+    schedule = plan.batch_schedule
+    if schedule is not None:
+        shape = "linear ramp" if schedule.linear else "step-wise"
+        n = len(schedule.phases)
+        add("batch schedule", n, f"{n} phases", shape, "batch rows: the first phase")
     gs, gt = plan.global_batch_sequences, plan.global_batch_tokens
     add("global batch", gs, fmt_int(gs or 0), "sequences / step", f"{b} x {k} x {w}")
     add(
@@ -57,8 +66,10 @@ def _rows(plan) -> list[tuple[str, str, str, str]]:
     if plan.target_deviation is not None:
         target = plan.target_tokens or plan.target_sequences
         unit = "tokens" if plan.target_tokens else "sequences"
-        add("target", target, fmt_int(target), unit, f"landed {plan.target_deviation:+.2%} off")
-    add("optimizer steps", plan.steps, fmt_int(plan.steps or 0), "steps")
+        how = f"landed {plan.target_deviation:+.2%} off"
+        add("target", target, fmt_int(target), unit, how + (" (first phase)" if schedule else ""))
+    how_steps = "phases summed" if schedule else ""
+    add("optimizer steps", plan.steps, fmt_int(plan.steps or 0), "steps", how_steps)
     tokens_how = ""
     if plan.total_tokens_requested and plan.total_tokens != plan.total_tokens_requested:
         tokens_how = f"--total-tokens {fmt_count(plan.total_tokens_requested)}, whole steps"
@@ -68,14 +79,14 @@ def _rows(plan) -> list[tuple[str, str, str, str]]:
     how_step = f"{k} x micro-step" if plan.time_from == "--micro-step-time" else plan.time_from
     add("step time", plan.step_time_s, fmt_seconds(plan.step_time_s or 0), "per step", how_step)
     total_s = (plan.total_time_h or 0) * 3600
-    add("total time", plan.total_time_h, fmt_seconds(total_s), "wall clock", "steps x step time")
+    how_total = "phases, steps x step time at their k" if schedule else "steps x step time"
+    add("total time", plan.total_time_h, fmt_seconds(total_s), "wall clock", how_total)
     add("device-hours", plan.device_hours, f"{plan.device_hours or 0:,.1f}", "GPU-hours", f"x {w}")
     add("FLOPs / step", plan.flops_per_step, _flops(plan.flops_per_step or 0), "FLOP", "6 N D")
     add("FLOPs total", plan.flops_total, _flops(plan.flops_total or 0), "FLOP", "6 N D")
     add("MFU (implied)", plan.mfu_implied, f"{plan.mfu_implied or 0:.3f}", "fraction of peak")
     if plan.lr is not None:
-        rule = "x c" if plan.lr_rule == "linear" else "x sqrt(c)"
-        how = f"{plan.lr_rule}: base {rule}, c = {plan.lr_scale:.4g}"
+        how = f"{plan.lr_rule}: base {_LR_RULE[plan.lr_rule]}, c = {plan.lr_scale:.4g}"
         add("learning rate", plan.lr, f"{plan.lr:.4g}", "dimensionless", how)
     rows += _memory_rows(plan)
     rows += _communication_rows(plan)
@@ -143,8 +154,69 @@ def _communication_rows(plan) -> list[tuple[str, str, str, str]]:
     return rows
 
 
+def _phase_cells(p) -> list[str]:
+    time = "-" if p.time_s is None else fmt_seconds(p.time_s)
+    lr = [] if p.lr is None else [f"{p.lr:.4g}"]
+    return [
+        fmt_count(p.start_tokens),
+        fmt_count(p.end_tokens),
+        str(p.accum_steps),
+        fmt_int(p.tokens_per_step),
+        fmt_int(p.steps),
+        fmt_count(p.tokens),
+        time,
+        f"{p.lr_factor:.4g}",
+        *lr,
+    ]
+
+
+def _phases_between(phases) -> list[str]:
+    """One row for the phases a long ramp passes through, summed."""
+    times = [p.time_s for p in phases]
+    time = "-" if None in times else fmt_seconds(sum(times))
+    ks = f"{phases[0].accum_steps}..{phases[-1].accum_steps}"
+    steps, tokens = sum(p.steps for p in phases), sum(p.tokens for p in phases)
+    first, last = phases[0].start_tokens, phases[-1].end_tokens
+    return [fmt_count(first), fmt_count(last), ks, "", fmt_int(steps), fmt_count(tokens), time]
+
+
+def _phase_table(plan) -> Table:
+    """Each phase: tokens seen from and to, k, tokens per step, steps, tokens, time, LR."""
+    s = plan.batch_schedule
+    micro = fmt_int(plan.micro_tokens)
+    if plan.seq_len:
+        micro = f"{plan.micro_batch} x {fmt_int(plan.seq_len)}"
+    title = (
+        f"batch schedule {s.schedule}: tokens / step = {micro} x k x {plan.world_size}, "
+        f"LR rule {s.lr_rule}"
+    )
+    table = Table(title=title, title_justify="left")
+    for name in ("phase", "from tokens", "to tokens", "k", "tokens / step", "steps", "tokens"):
+        table.add_column(name, justify="left" if name == "phase" else "right")
+    table.add_column("time", justify="right")
+    table.add_column("LR x", justify="right")
+    if s.phases[0].lr is not None:
+        table.add_column("LR", justify="right")
+    phases = s.phases
+    shown = list(enumerate(phases, 1))
+    if len(phases) > _PHASE_ROWS:
+        head = _PHASE_ROWS // 2
+        shown = shown[:head] + [(None, phases[head:-head])] + shown[-head:]
+    for number, p in shown:
+        if number is None:
+            table.add_row(f"{len(p)} more", *_phases_between(p))
+        else:
+            table.add_row(str(number), *_phase_cells(p))
+    table.add_section()
+    time = "-" if s.total_time_s is None else fmt_seconds(s.total_time_s)
+    end = fmt_count(s.total_tokens)
+    steps, tokens = fmt_int(s.total_steps), fmt_count(s.total_tokens)
+    table.add_row("total", "0", end, "", "", steps, tokens, time)
+    return table
+
+
 def render(plan, width: int = 110) -> str:
-    """The table, then one line per warning and note."""
+    """The table (and the phases of a batch schedule), then one line per warning and note."""
     table = Table(title="gradaccum plan", title_justify="left")
     table.add_column("quantity")
     table.add_column("value", justify="right")
@@ -155,6 +227,8 @@ def render(plan, width: int = 110) -> str:
     out = io.StringIO()
     console = Console(file=out, width=width, color_system=None, highlight=False)
     console.print(table)
+    if plan.batch_schedule is not None:
+        console.print(_phase_table(plan))
     for text in plan.warnings:
         console.print(f"warning: {text}", markup=False, soft_wrap=True)
     for text in plan.notes:

@@ -16,6 +16,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 
 from ..errors import BadInput, flag_name
+from ..plan.batch_schedule import LR_RULES
 from ..plan.memory import PRECISIONS
 from ..plan.sizes import parse_count
 from .schedule import SCHEDULES
@@ -180,6 +181,43 @@ class TrainConfig:
     )
     """Write every metrics record as TensorBoard scalars under <out>/tensorboard/ (the
     `tensorboard` extra)."""
+    batch_schedule: str | None = _flag(
+        None,
+        "tokens per step by tokens seen: 0:32k,1B:256k,10B:4M; linear:0:32k,1B:4M ramps; "
+        "auto (experimental) grows toward the measured critical batch",
+        "str",
+        metavar="SCHEDULE",
+    )
+    """A batch-size schedule instead of one --tokens-per-step (`gradaccum.train.batching`):
+    points TOKENS_SEEN:TOKENS_PER_STEP, step-wise, or a linear ramp with `linear:`; k
+    changes at window boundaries, the micro-batch stays. `auto` (experimental) starts at
+    --min-tokens-per-step and grows k toward the noise scale's critical batch, up to
+    --max-tokens-per-step, at most doubling once per --batch-double-every steps. The LR
+    schedule then runs over tokens seen; the run's length is --max-tokens."""
+    lr_rule: str = _flag(
+        "none",
+        "with --batch-schedule, scale the LR with the batch: none, linear or sqrt (default none)",
+        "choice",
+        choices=LR_RULES,
+    )
+    """With --batch-schedule: the LR times (batch / reference batch) for `linear`, its square
+    root for `sqrt`; --lr belongs to the reference batch: the schedule's last one (as `plan`
+    counts it), auto's --max-tokens-per-step."""
+    min_tokens_per_step: int | None = _flag(
+        None, "--batch-schedule auto: the batch it starts at (default 8192)", least=1
+    )
+    """`--batch-schedule auto`: tokens per step it starts at (default 8192)."""
+    max_tokens_per_step: int | None = _flag(
+        None,
+        "--batch-schedule auto: the largest batch it grows to (default 32 x the minimum)",
+        least=1,
+    )
+    """`--batch-schedule auto`: tokens per step it never grows past (default 32 x minimum)."""
+    batch_double_every: int | None = _flag(
+        None, "--batch-schedule auto: at most one doubling of k per N steps (default 50)", least=1
+    )
+    """`--batch-schedule auto`: optimizer steps between two growths of k (each at most x2).
+    None: 50."""
     dist_timeout: float = _flag(
         300.0,
         "seconds a rank waits for the others before failing, under torchrun (default 300)",
@@ -212,6 +250,7 @@ class TrainConfig:
                 self.warmup_steps,
                 f"longer than the run (--max-steps {self.max_steps})",
             )
+        self._check_batch_schedule()
         given = [n for n in EXCLUSIVE[1] if getattr(self, n) is not None]
         if len(given) > 1:
             raise BadInput(
@@ -220,6 +259,29 @@ class TrainConfig:
                 "give only one of --model, --model-config, --init-from "
                 f"(also got {flag_name(given[0])})",
             )
+
+    def _check_batch_schedule(self) -> None:
+        from .batching import AUTO, read_schedule
+
+        schedule = read_schedule(self.batch_schedule)  # BadInput if malformed
+        for name in ("tokens_per_step", "accum_steps", "max_steps"):
+            if schedule is not None and getattr(self, name) is not None:
+                why = (
+                    "a --batch-schedule run's length is in tokens: give --max-tokens"
+                    if name == "max_steps"
+                    else "the batch comes from --batch-schedule; give one or the other"
+                )
+                raise BadInput(flag_name(name), getattr(self, name), why)
+        for name in ("min_tokens_per_step", "max_tokens_per_step", "batch_double_every"):
+            if getattr(self, name) is not None and schedule != AUTO:
+                raise BadInput(flag_name(name), getattr(self, name), "needs --batch-schedule auto")
+        if self.lr_rule != "none" and schedule is None:
+            raise BadInput("--lr-rule", self.lr_rule, "needs --batch-schedule")
+        low, high = self.min_tokens_per_step, self.max_tokens_per_step
+        if low is not None and high is not None and high < low:
+            raise BadInput("--max-tokens-per-step", high, f"below --min-tokens-per-step {low}")
+        if schedule == AUTO:
+            self.batch_schedule, self.noise_scale = AUTO, True  # auto follows the noise scale
 
     @property
     def preset(self) -> str | None:

@@ -127,6 +127,14 @@ class Batches:
         self.position += 1
         return _as_batch(self.ds.batch(ids))
 
+    def set_micro_batch(self, micro_batch: int) -> None:
+        """Read on in micro-batches of `micro_batch` sequences from the same place in the
+        stream; it must divide the sequences read so far per rank and micro-step."""
+        read = self.position * self.micro_batch
+        if micro_batch < 1 or read % micro_batch:
+            raise ValueError(f"micro_batch {micro_batch} does not divide the {read} read so far")
+        self.micro_batch, self.position = micro_batch, read // micro_batch
+
     def state_dict(self) -> dict:
         return {
             "position": self.position,

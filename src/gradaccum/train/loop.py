@@ -9,6 +9,7 @@ plot and the summary.
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import time
@@ -22,10 +23,11 @@ from .. import devices, sync
 from ..atomic import write_text_atomic
 from ..distributed import RankInfo, init_distributed, teardown
 from ..engine import Accumulator, StepResult
-from ..errors import BadInput, RanksLost, first_line
+from ..errors import BadInput, RanksLost, RunFailed, first_line
 from ..plan.sizes import fmt_count
 from . import checkpoint, checks, resume
-from .config import DEFAULT_TOKENS_PER_STEP, TrainConfig, to_toml
+from .batching import AUTO, first_target, make_batching, smallest_target, token_schedule
+from .config import DEFAULT_MAX_TOKENS, DEFAULT_TOKENS_PER_STEP, TrainConfig, to_toml
 from .console import Console, Progress, StopSignals
 from .lock import RunLock
 from .metrics import MetricsWriter, plot_loss, read_metrics
@@ -142,11 +144,33 @@ AUTO_FIT_SECONDS = 4.0
 def _measures_micro_batch(config: TrainConfig, rank_info: RankInfo) -> bool:
     """--micro-batch auto with the batch left to choose: measured (`gradaccum.fit`), not
     estimated. With --accum-steps given, the batch follows from it as before."""
-    target = config.tokens_per_step or DEFAULT_TOKENS_PER_STEP
+    target = _target(config)
     return (
         config.micro_batch == "auto"
         and config.accum_steps is None
         and target >= config.seq_len * rank_info.world_size
+    )
+
+
+def _target(config: TrainConfig) -> int:
+    """The tokens per step the micro-batch is chosen for: a schedule's smallest batch."""
+    if config.batch_schedule is not None:
+        return smallest_target(config)
+    return config.tokens_per_step or DEFAULT_TOKENS_PER_STEP
+
+
+def _plan_config(config: TrainConfig) -> TrainConfig:
+    """The config the plan table is made for: a schedule's first batch, over the run."""
+    if config.batch_schedule is None:
+        return config
+    return replace(
+        config,
+        batch_schedule=None,
+        lr_rule="none",
+        min_tokens_per_step=None,
+        max_tokens_per_step=None,
+        batch_double_every=None,
+        tokens_per_step=first_target(config),
     )
 
 
@@ -174,7 +198,7 @@ def measure_micro_batch(config: TrainConfig, model, train_set, rank_info: RankIn
         make_batch,
         causal_lm_loss,
         seq_len=config.seq_len,
-        tokens_per_step=config.tokens_per_step or DEFAULT_TOKENS_PER_STEP,
+        tokens_per_step=_target(config),
         world_size=rank_info.world_size,
         precision=config.precision,
         max_micro_batch=max(1, CPU_MICRO_TOKENS // config.seq_len) if on_cpu else None,
@@ -243,8 +267,20 @@ class Run:
         self.train_set, self.val_set, self.data_info = data
         self.model_info, self.resolved, self.ckpt = model_info, resolved, ckpt
         self.k, self.total = resolved.accum_steps, resolved.total_steps
+        self.micro_batch = resolved.micro_batch
+        """Sequences per micro-batch as trained now: out of memory mid-window halves it."""
         self.notes: list[str] = []  # what a resume changed, one line each
+        self.batching = make_batching(
+            config, self.micro_batch, rank_info.world_size, resolved.accum_steps
+        )
+        """k of each window: fixed, or by --batch-schedule (`gradaccum.train.batching`)."""
+        self.total_tokens = config.max_tokens or DEFAULT_MAX_TOKENS
+        """With a batch schedule, the run ends once it has trained on this many tokens."""
         self.schedule = Schedule(resolved.total_steps, resolved.warmup_steps, config.schedule)
+        if self.batching.varies:
+            self.k = self.batching.next_k(0)
+            self.total = self.batching.steps_left(0, self.total_tokens)
+            self.schedule = token_schedule(config, self.total_tokens, self.tokens_per_step)
         self.model = self._place(model)
         self.optimizer = _optimizer(self.model, config)
         self.state = RunState()
@@ -268,10 +304,19 @@ class Run:
         if ckpt is not None:
             notes = resume.check_data(config, ckpt, data[2])
             plan_config = resume.batch_config(config, ckpt, rank_info.world_size)
-        resolved = resolve_plan(plan_config, model_info, rank_info.world_size, rank_info.device)
+        resolved = resolve_plan(
+            _plan_config(plan_config),
+            model_info,
+            rank_info.world_size,
+            rank_info.device,
+            batch_schedule=None if config.batch_schedule == AUTO else config.batch_schedule,
+        )
         run = cls(config, rank_info, console, data, model, model_info, resolved, ckpt)
-        if ckpt is not None:
+        if ckpt is not None and run.batching.varies:
+            run.schedule, length_notes = resume.token_schedule(config, ckpt, run.total_tokens)
+        elif ckpt is not None:
             run.schedule, length_notes = resume.schedule(config, ckpt, resolved)
+        if ckpt is not None:
             batch = resume.batch_line(ckpt, resolved)
             run.notes = notes + length_notes + ([batch] if batch else [])
             run.notes += resume.applied_changes(config, ckpt)
@@ -316,6 +361,30 @@ class Run:
             world_size=self.rank_info.world_size,
         )
 
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens of the next (or last) window over all ranks: micro x seq x k x world."""
+        return self.micro_batch * self.config.seq_len * self.k * self.rank_info.world_size
+
+    def _finished(self) -> bool:
+        if self.batching.varies:
+            return self.state.tokens >= self.total_tokens
+        return self.acc.steps >= self.total
+
+    def _next_window(self) -> None:
+        """With a batch schedule: k and the lr of the window about to start (both follow
+        from the tokens seen, and for `auto` the checkpointed growth, so a resume repeats them)."""
+        if not self.batching.varies:
+            return
+        seen = self.state.tokens
+        self.k = self.batching.next_k(seen)
+        # In warmup, the lr reached by the window's end (as step-counted warmup's first step
+        # takes lr / warmup_steps, not 0); after it, the decay where the window starts.
+        at = seen + self.tokens_per_step - 1 if seen < self.schedule.warmup_steps else seen
+        factor = self.schedule(at) * self.batching.lr_factor()
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.config.lr * factor
+
     # ---- restore, start ----------------------------------------------------------------
 
     def restore(self) -> None:
@@ -336,6 +405,12 @@ class Run:
             raise BadInput("--resume", config.out, str(err)) from None
         checkpoint.set_rng_state(state["rng"])
         self.state = RunState(**state["progress"])
+        if self.batching.varies:
+            self.batching.load_state_dict(state["batching"])
+            self.k = self.batching.next_k(self.state.tokens)
+            self.total = self.acc.steps + self.batching.steps_left(
+                self.state.tokens, self.total_tokens
+            )
 
     def start(self) -> None:
         """Say what is about to happen, take the folder's lock, write train.toml."""
@@ -435,7 +510,7 @@ class Run:
         self.loop_start = self.here - self.state.elapsed_s
         skipped_in_a_row, stopped = 0, None
         try:
-            while self.acc.steps < self.total:
+            while not self._finished():
                 result = self.train_step(signals)
                 if result is None:  # a stop request arrived mid-window
                     stopped = signals.requested or "another rank"
@@ -465,24 +540,83 @@ class Run:
     def train_step(self, signals: StopSignals) -> StepResult | None:
         """One window: k micro-batches forward and backward, one optimizer step. None when a
         stop request came mid-window: the window is abandoned (nothing stepped, nothing
-        counted) and the data and RNG rewound to its start, as the last checkpoint would be."""
+        counted) and the data and RNG rewound to its start, as the last checkpoint would be.
+        Out of memory mid-window: the window is abandoned and rewound the same way, then
+        redone from its first micro-batch with half the micro-batch and twice k (the same
+        tokens per step), see `shrink_micro_batch`."""
         t0 = time.perf_counter()
+        self._next_window()
         position, rng = self.batches.position, checkpoint.rng_state()
+        while True:
+            try:
+                result = self._window(signals)
+                failed = None
+            except devices.out_of_memory_errors() as err:
+                failed = first_line(err)
+            # Rewound outside the handler: its traceback holds the window's tensors.
+            if failed is None and result is not None:
+                break
+            self.acc.abandon_window()
+            self.batches.position = position
+            checkpoint.set_rng_state(rng)
+            if failed is None:
+                return None
+            self.shrink_micro_batch(failed)
+            position = self.batches.position
+        devices.synchronize(self.device)
+        self.step_s = time.perf_counter() - t0
+        return result
+
+    def _window(self, signals: StopSignals) -> StepResult | None:
         micro_batches = [_to_device(next(self.batches), self.device) for _ in range(self.k)]
         window = self.acc.begin_window(micro_batches)  # counts the window's tokens over ranks
         for micro_batch in micro_batches:
             if self._stop_now(signals):
-                window.abandon()
-                self.batches.position = position
-                checkpoint.set_rng_state(rng)
                 return None
             with window.micro_step():  # autocast; gradients sync on the last micro-batch only
                 loss_sum, num_tokens = causal_lm_loss(self.model, micro_batch)
                 window.backward(loss_sum, num_tokens)  # scaled by world / N of the window
-        result = window.finish()  # clip, optimizer and scheduler step, zero_grad: once
-        devices.synchronize(self.device)
-        self.step_s = time.perf_counter() - t0
-        return result
+        return window.finish()  # clip, optimizer and scheduler step, zero_grad: once
+
+    def shrink_micro_batch(self, error: str) -> None:
+        """After out of memory mid-window: the largest micro-batch of at most half the
+        sequences that divides the old one, k up by the same factor (tokens per step
+        unchanged), the device's cache emptied, the event in metrics.jsonl and on the console.
+        Under torchrun the ranks cannot redo a window together (the others may already wait
+        in the gradients' all-reduce): the run stops with one line saying how to resume."""
+        old, step = self.micro_batch, self.acc.steps + 1
+        smaller = next((b for b in range(old // 2, 0, -1) if old % b == 0), None)
+        if smaller is None or self.rank_info.world_size > 1:
+            advice = (
+                f"resume with --resume --micro-batch {smaller} (the tokens per step stay)"
+                if smaller
+                else "try --activation-checkpointing or a shorter --seq-len"
+            )
+            raise RunFailed(
+                f"rank {self.rank_info.rank}: out of memory in step {step} at micro-batch "
+                f"{old} ({error}); {advice}"
+            )
+        gc.collect()
+        devices.empty_cache(self.device)
+        self.k = self.k * old // smaller
+        self.micro_batch = smaller
+        self.batches.set_micro_batch(smaller)
+        self.batching.set_micro_tokens(smaller * self.config.seq_len, self.k)
+        line = (
+            f"step {step}: out of memory at micro-batch {old} ({error}); redoing the window "
+            f"with micro-batch {smaller} x k {self.k}, the same tokens per step"
+        )
+        self.progress.note(line)
+        if self.is_main:
+            self.write_record(
+                {
+                    "step": step,
+                    "event": "out_of_memory",
+                    "micro_batch": smaller,
+                    "accum_steps": self.k,
+                    "elapsed_s": time.perf_counter() - self.loop_start,
+                }
+            )
 
     def _stop_now(self, signals: StopSignals) -> bool:
         if self.rank_info.world_size == 1:
@@ -508,26 +642,42 @@ class Run:
                     "lr": result.lr,
                     "grad_norm": result.grad_norm,
                     "accum_steps": self.k,
-                    "micro_batch": self.resolved.micro_batch,
+                    "micro_batch": self.micro_batch,
+                    "tokens_per_step": result.tokens,
                     "skipped": result.skipped,
                     "elapsed_s": st.elapsed_s,
                     **_noise_fields(result),
                 }
             )
         done_here = result.step - self.first_step
+        self.progress.accum_steps = self.k
+        if self.batching.varies:
+            self._follow_batching(result)
         self.progress.update(
             result.step, result.loss, result.tokens / dt, result.lr, now - self.here, done_here
         )
 
+    def _follow_batching(self, result: StepResult) -> None:
+        """After a window of a batch-schedule run: `auto` may grow k; the steps left."""
+        noise = result.noise
+        if self.batching.after_window(result.step, noise.b_simple_tokens if noise else None):
+            self.progress.note(
+                f"step {result.step}: critical batch about {fmt_count(noise.b_simple_tokens)} "
+                f"tokens: k {self.k} -> {self.batching.k} "
+                f"({fmt_count(self.batching.k * self.batching.per_micro_step)} tokens per step)"
+            )
+        left = self.batching.steps_left(self.state.tokens, self.total_tokens)
+        self.total = self.progress.total = result.step + left
+
     def _eval_due(self) -> bool:
         step, every = self.acc.steps, self.config.eval_every
-        return self.is_main and (step == self.total or bool(every and step % every == 0))
+        return self.is_main and (self._finished() or bool(every and step % every == 0))
 
     def evaluate_now(self) -> None:
         loss = evaluate(
             _unwrapped(self.model),
             self.val_set,
-            self.resolved.micro_batch,
+            self.micro_batch,
             self.device,
             self.config.precision,
         )
@@ -554,8 +704,13 @@ class Run:
             "data_fingerprint": self.data_info.fingerprint,
             "rng": checkpoint.rng_state(),
             "config": self.config.to_dict(),
-            "plan": self.resolved.summary(),
+            "plan": {
+                **self.resolved.summary(),
+                "micro_batch": self.micro_batch,
+                "accum_steps": self.k,
+            },
             "schedule": self.schedule.state_dict(),
+            "batching": self.batching.state_dict(),
             "metrics_lines": self.metrics.lines,
             "progress": asdict(self.state),
         }
@@ -601,18 +756,28 @@ class Run:
             if stopped is None:
                 state = _unwrapped(self.model).state_dict()
                 checkpoint.save_model(config.out, state, self.model_info.config)
-            r = self.resolved
             plot_loss(
                 records,
                 os.path.join(config.out, "loss.png"),
                 self.data_info.entropy_floor,
-                title=f"{self.model_info.source}, {r.tokens_per_step:,} tokens/step "
-                f"(b {r.micro_batch} x k {r.accum_steps} x world {r.world_size})",
+                title=self._plot_title(records),
             )
         line = self.critical_batch_line()
         if line:
             self.console.say(line)
         return self.summary(records, stopped)
+
+    def _plot_title(self, records: list[dict]) -> str:
+        if not self.batching.varies:
+            return (
+                f"{self.model_info.source}, {self.tokens_per_step:,} tokens/step "
+                f"(b {self.micro_batch} x k {self.k} x world {self.rank_info.world_size})"
+            )
+        sizes = [r["tokens_per_step"] for r in records if "tokens_per_step" in r] or [0]
+        return (
+            f"{self.model_info.source}, {fmt_count(sizes[0])} -> {fmt_count(sizes[-1])} "
+            f"tokens/step (--batch-schedule {self.config.batch_schedule})"
+        )
 
     def critical_batch_line(self) -> str | None:
         """With --noise-scale: the estimated critical batch against this run's, in one line;
@@ -620,7 +785,7 @@ class Run:
         last = self.acc.noise.last if self.acc.noise is not None else None
         if last is None or not math.isfinite(last.b_simple_tokens):
             return None
-        critical, here = last.b_simple_tokens, self.resolved.tokens_per_step
+        critical, here = last.b_simple_tokens, self.tokens_per_step
         if critical <= 0:
             return None
         if here < critical / 2:
@@ -648,7 +813,7 @@ class Run:
         window, final_loss of its last, final_eval_loss on the held-out split. tokens_per_s
         counts only time inside training windows (not eval, saving or start-up); wall_s is
         this process's whole time. Ranks other than 0 read no metrics and report no losses."""
-        train_lines = [r for r in records if "eval_loss" not in r]
+        train_lines = [r for r in records if "loss" in r]
         eval_lines = [r for r in records if "eval_loss" in r]
         st, r, info = self.state, self.resolved, self.data_info
         return {
@@ -658,15 +823,16 @@ class Run:
             "entropy_floor": info.entropy_floor,
             "ln_vocab": math.log(info.vocab_size),
             "steps": self.acc.steps,
-            "total_steps": r.total_steps,
+            "total_steps": self.total,
             "tokens": st.tokens,
             "tokens_per_s": st.tokens / max(st.train_s, 1e-9),
             "skipped": sum(1 for x in train_lines if x.get("skipped")),
             "wall_s": time.perf_counter() - self.started,
-            "micro_batch": r.micro_batch,
-            "accum_steps": r.accum_steps,
+            "micro_batch": self.micro_batch,
+            "accum_steps": self.k,
             "world_size": r.world_size,
-            "tokens_per_step": r.tokens_per_step,
+            "tokens_per_step": self.tokens_per_step,
+            "batch_schedule": self.config.batch_schedule,
             "params": self.model_info.params,
             "device": str(self.device),
             "precision": self.config.precision,

@@ -91,9 +91,15 @@ def _largest_power_of_two(n: int) -> int:
 
 
 def resolve_plan(
-    config: TrainConfig, model_info, world_size: int, device: torch.device
+    config: TrainConfig,
+    model_info,
+    world_size: int,
+    device: torch.device,
+    batch_schedule: str | None = None,
 ) -> Resolved:
-    """Micro-batch, k, steps and warmup for `config` on `device`; BadInput if none."""
+    """Micro-batch, k, steps and warmup for `config` on `device`; BadInput if none. With a
+    (fixed) `batch_schedule`, `config` asks for its first batch, and the plan covers the
+    whole run phase by phase, as `gradaccum plan --batch-schedule` prints it."""
     seq_len, k = config.seq_len, config.accum_steps
     target = config.tokens_per_step
     if target is None and k is None:
@@ -141,6 +147,8 @@ def resolve_plan(
         else {"total_tokens": config.max_tokens or DEFAULT_MAX_TOKENS}
     )
     batch = {"accum_steps": k} if k is not None else {"target_tokens": target}
+    if batch_schedule is not None:
+        batch = {"batch_schedule": batch_schedule}
     plan = make_plan(PlanInputs(micro_batch=micro, **batch, **length, **base))
     if plan.accum_steps > MAX_ACCUM_STEPS:
         raise BadInput(

@@ -37,6 +37,11 @@ REFUSED = {
     "model": "a resume takes its model from the checkpoint",
     "model_config": "a resume takes its model from the checkpoint's config.json",
     "init_from": "a resume takes its weights from the checkpoint",
+    "batch_schedule": "a resume continues its batch schedule",
+    "lr_rule": "a resume continues its batch schedule's lr rule",
+    "min_tokens_per_step": "a resume continues its batch schedule",
+    "max_tokens_per_step": "a resume continues its batch schedule",
+    "batch_double_every": "a resume continues its batch schedule",
 }
 """Fields a resume may not change, and why."""
 
@@ -102,8 +107,12 @@ def check_data(config: TrainConfig, ckpt, data_info) -> list[str]:
 
 def batch_config(config: TrainConfig, ckpt, world_size: int) -> TrainConfig:
     """The config to plan the resumed run with: the checkpoint's tokens per step, its
-    micro-batch unless --micro-batch changed it, and k for this number of devices."""
+    micro-batch unless --micro-batch changed it, and k for this number of devices. With a
+    batch schedule, k follows the schedule for the micro-batch and devices of the resume."""
     saved, plan = ckpt.trainer_state["config"], ckpt.trainer_state["plan"]
+    if config.batch_schedule is not None:
+        given = config.micro_batch not in ("auto", saved.get("micro_batch"))
+        return replace(config, micro_batch=config.micro_batch if given else plan["micro_batch"])
     seq = plan["seq_len"]
     tokens = plan.get("tokens_per_step") or (
         plan["micro_batch"] * seq * plan["accum_steps"] * plan["world_size"]
@@ -158,12 +167,22 @@ def _micro_batch(config: TrainConfig, saved: dict, plan: dict, per_rank: int) ->
 def batch_line(ckpt, resolved) -> str | None:
     """One line saying how the batch layout changed, or None if it did not."""
     plan = ckpt.trainer_state["plan"]
+    if ckpt.trainer_state["config"].get("batch_schedule") is not None:  # k follows it
+        old = (plan["micro_batch"], plan["world_size"])
+        new = (resolved.micro_batch, resolved.world_size)
+        if old == new:
+            return None
+        return (
+            f"micro-batch {old[0]} x {old[1]} device(s) -> {new[0]} x {new[1]} from step "
+            f"{ckpt.step}: k follows the batch schedule"
+        )
     old = (plan["micro_batch"], plan["accum_steps"], plan["world_size"])
     new = (resolved.micro_batch, resolved.accum_steps, resolved.world_size)
     if old == new:
         return None
+    what = f"devices {old[2]} -> {new[2]}" if old[2] != new[2] else "micro-batch"
     return (
-        f"devices {old[2]} -> {new[2]} from step {ckpt.step}: micro-batch {old[0]} x k {old[1]}"
+        f"{what} from step {ckpt.step}: micro-batch {old[0]} x k {old[1]}"
         f" x {old[2]} -> {new[0]} x k {new[1]} x {new[2]}, {resolved.tokens_per_step:,} tokens "
         "per step as before"
     )
@@ -193,6 +212,24 @@ def schedule(config: TrainConfig, ckpt, resolved) -> tuple[Schedule, list[str]]:
             f"stretched to end at step {new.end}"
         )
     return new, [head + tail]
+
+
+def token_schedule(config: TrainConfig, ckpt, total_tokens: int) -> tuple[Schedule, list[str]]:
+    """A batch-schedule run's lr schedule (over tokens seen) to continue on, and a line if
+    the run's length changed it."""
+    old = Schedule.from_state_dict(ckpt.trainer_state["schedule"])
+    seen = int(ckpt.trainer_state["progress"]["tokens"])
+    if total_tokens < seen:
+        raise BadInput(
+            "--max-tokens", total_tokens, f"the run in {config.out} has trained on {seen} tokens"
+        )
+    new = old.stretched(seen, total_tokens)
+    if new is old:
+        return old, []
+    return new, [
+        f"run length {old.end:,} -> {new.end:,} tokens from {seen:,}: the rest of the lr "
+        "schedule stretched to end there"
+    ]
 
 
 def applied_changes(config: TrainConfig, ckpt) -> list[str]:

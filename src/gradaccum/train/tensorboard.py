@@ -27,7 +27,8 @@ def check_available() -> None:
 
 class TensorBoardWriter:
     """Writes each metrics record's numbers as scalars at its optimizer step: training
-    fields under `train/`, the held-out loss under `eval/`."""
+    fields under `train/`, the held-out loss under `eval/`, events (out of memory mid-window)
+    under `event/`."""
 
     def __init__(self, out: str, purge_step: int | None = None):
         check_available()
@@ -38,7 +39,7 @@ class TensorBoardWriter:
 
     def write(self, record: dict) -> None:
         step = int(record["step"])
-        prefix = "eval" if "eval_loss" in record else "train"
+        prefix = "eval" if "eval_loss" in record else "event" if "event" in record else "train"
         for key, value in record.items():
             if (
                 key in _NOT_SCALARS

@@ -1,0 +1,198 @@
+"""How many micro-batches each window of a run holds: fixed, by a batch-size schedule over the
+tokens seen, or grown toward the measured critical batch (`--batch-schedule auto`).
+
+The micro-batch never changes with the schedule (only an out-of-memory recovery halves it):
+k moves, at window boundaries only, so every window is a whole number of micro-batches and
+the engine weighs each exactly. Everything k depends on (tokens seen, and for `auto` the
+noise scale's averages and the last growth) is in the checkpoint, so a resumed run takes the
+same k and the same LR from the same window on.
+
+With a schedule the LR schedule (warmup, then decay) runs over tokens seen, not steps:
+steps differ in size, and a ramp of the batch would otherwise stretch or squeeze the decay.
+`--warmup-steps` then counts steps of the first phase's batch, and a window in warmup takes
+the lr reached at its last token (with a fixed batch, what step-counted warmup gives). On top of it `--lr-rule`
+scales the LR with the window's batch (`lr_multiplier`), relative to the batch the recipe's
+LR belongs to: a schedule's last one, `auto`'s --max-tokens-per-step.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..errors import BadInput
+from ..plan.batch_schedule import (
+    BatchSchedule,
+    constant_until,
+    lr_multiplier,
+    parse_batch_schedule,
+)
+from .schedule import Schedule
+
+AUTO = "auto"
+
+DEFAULT_MIN_TOKENS_PER_STEP = 8192
+"""--min-tokens-per-step of `--batch-schedule auto` when not given."""
+DEFAULT_MAX_RATIO = 32
+"""--max-tokens-per-step of `auto` when not given: this many times the minimum."""
+DEFAULT_DOUBLE_EVERY = 50
+"""--batch-double-every of `auto` when not given: optimizer steps between two growths."""
+
+
+class Batching:
+    """k for the next window. `fixed`: k stays (a run without --batch-schedule). A schedule:
+    k = round(target(tokens seen) / (micro tokens x world)), at least 1. `auto`: k starts at
+    the minimum batch and, after a window whose noise-scale estimate asks for more, grows to
+    round(estimate / (micro tokens x world)) within the maximum, at most doubling once per
+    `double_every` optimizer steps; it never shrinks."""
+
+    def __init__(
+        self,
+        *,
+        micro_tokens: int,
+        world: int,
+        k: int,
+        schedule: BatchSchedule | None = None,
+        auto: tuple[int, int, int] | None = None,
+        lr_rule: str = "none",
+    ):
+        self.micro_tokens, self.world = micro_tokens, world
+        self.schedule, self.lr_rule = schedule, lr_rule
+        self.auto = auto
+        """(min tokens per step, max tokens per step, steps per doubling) of `auto`."""
+        self.k = k
+        self.last_growth = 0
+        """The optimizer step at which `auto` last grew k."""
+        if auto is not None:
+            self.k = self._k_for(auto[0])
+
+    @property
+    def varies(self) -> bool:
+        """Whether k may change from window to window."""
+        return self.schedule is not None or self.auto is not None
+
+    @property
+    def per_micro_step(self) -> int:
+        """Tokens all ranks take in one micro-step."""
+        return self.micro_tokens * self.world
+
+    def _k_for(self, tokens_per_step: float) -> int:
+        return max(1, math.floor(tokens_per_step / self.per_micro_step + 0.5))
+
+    def next_k(self, tokens_seen: int) -> int:
+        """k of the window that starts after `tokens_seen` tokens."""
+        if self.schedule is not None:
+            self.k = self.schedule.accum_steps(tokens_seen, self.micro_tokens, self.world)
+        return self.k
+
+    def after_window(self, step: int, critical_tokens: float | None) -> bool:
+        """`auto`: grow k toward `critical_tokens` (the noise scale after optimizer step
+        `step`) when allowed; whether k changed."""
+        if self.auto is None or critical_tokens is None or not math.isfinite(critical_tokens):
+            return False
+        low, high, every = self.auto
+        wanted = min(self._k_for(min(max(critical_tokens, low), high)), self._k_for(high))
+        if wanted <= self.k or step - self.last_growth < every:
+            return False
+        self.k, self.last_growth = min(wanted, 2 * self.k), step
+        return True
+
+    def reference_tokens_per_step(self) -> int:
+        """The batch the given LR belongs to: a schedule's last, `auto`'s largest."""
+        if self.auto is not None:
+            return self._k_for(self.auto[1]) * self.per_micro_step
+        if self.schedule is not None:
+            return self.schedule.final_tokens_per_step(self.micro_tokens, self.world)
+        return self.k * self.per_micro_step
+
+    def lr_factor(self) -> float:
+        """The LR multiplier of the next window's batch under --lr-rule."""
+        if not self.varies:
+            return 1.0
+        ratio = self.k * self.per_micro_step / self.reference_tokens_per_step()
+        return lr_multiplier(ratio, self.lr_rule)
+
+    def set_micro_tokens(self, micro_tokens: int, k: int) -> None:
+        """After out of memory: a smaller micro-batch, and k for the same tokens per step."""
+        self.micro_tokens, self.k = micro_tokens, k
+
+    def steps_left(self, tokens_seen: int, total_tokens: int) -> int:
+        """Optimizer steps from `tokens_seen` until `total_tokens` are trained on: exact for
+        a schedule (phase by phase, as `plan` counts them), at the present k for `auto`."""
+        if self.schedule is None:
+            per_step = self.k * self.per_micro_step
+            return max(0, -(-(total_tokens - tokens_seen) // per_step))
+        steps, seen = 0, tokens_seen
+        while seen < total_tokens:
+            k = self.schedule.accum_steps(seen, self.micro_tokens, self.world)
+            per_step = k * self.per_micro_step
+            end = min(total_tokens, constant_until(self.schedule, seen, k, self.per_micro_step))
+            jump = max(1, -(-(end - seen) // per_step))
+            seen, steps = seen + jump * per_step, steps + jump
+        return steps
+
+    def state_dict(self) -> dict:
+        return {"k": self.k, "last_growth": self.last_growth}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.auto is not None:
+            self.k, self.last_growth = int(state["k"]), int(state["last_growth"])
+
+
+def read_schedule(text: str | None) -> BatchSchedule | str | None:
+    """--batch-schedule as given: None, AUTO, or the parsed schedule (BadInput if malformed)."""
+    if text is None:
+        return None
+    if text.strip().lower() == AUTO:
+        return AUTO
+    return parse_batch_schedule(text)
+
+
+def smallest_target(config) -> int:
+    """The smallest tokens per step a --batch-schedule run takes (for the micro-batch)."""
+    schedule = read_schedule(config.batch_schedule)
+    if schedule == AUTO:
+        return config.min_tokens_per_step or DEFAULT_MIN_TOKENS_PER_STEP
+    return schedule.smallest_target()
+
+
+def first_target(config) -> int:
+    """The tokens per step of a --batch-schedule run's first window."""
+    schedule = read_schedule(config.batch_schedule)
+    if schedule == AUTO:
+        return config.min_tokens_per_step or DEFAULT_MIN_TOKENS_PER_STEP
+    return int(schedule.target(0))
+
+
+def make_batching(config, micro_batch: int, world: int, k: int) -> Batching:
+    """The Batching of `config` for this layout; BadInput where `auto` cannot estimate."""
+    schedule = read_schedule(config.batch_schedule)
+    micro_tokens = micro_batch * config.seq_len
+    if schedule is None:
+        return Batching(micro_tokens=micro_tokens, world=world, k=k)
+    if schedule != AUTO:
+        return Batching(
+            micro_tokens=micro_tokens, world=world, k=k, schedule=schedule, lr_rule=config.lr_rule
+        )
+    low = config.min_tokens_per_step or DEFAULT_MIN_TOKENS_PER_STEP
+    high = config.max_tokens_per_step or DEFAULT_MAX_RATIO * low
+    auto = (low, high, config.batch_double_every or DEFAULT_DOUBLE_EVERY)
+    batching = Batching(
+        micro_tokens=micro_tokens, world=world, k=k, auto=auto, lr_rule=config.lr_rule
+    )
+    if batching.k * world < 2:
+        raise BadInput(
+            "--min-tokens-per-step",
+            low,
+            f"--batch-schedule auto needs at least 2 micro-batches of {micro_tokens} tokens per "
+            "step (over all ranks) to measure the noise scale",
+        )
+    return batching
+
+
+def token_schedule(config, total_tokens: int, first_tokens_per_step: int) -> Schedule:
+    """The LR schedule of a --batch-schedule run, over tokens seen (see the module doc)."""
+    if config.warmup_steps is not None:
+        warmup = config.warmup_steps * first_tokens_per_step
+    else:  # as a fixed batch's default: a tenth of the run, at most 100 first-phase steps
+        warmup = min(100 * first_tokens_per_step, total_tokens // 10)
+    return Schedule(total_tokens, min(warmup, total_tokens), config.schedule)

@@ -1,0 +1,41 @@
+"""What the trainer's tests share: a token file of the built-in corpus, a one-line-error check,
+and the training lines of a run's metrics."""
+
+import os
+
+import numpy as np
+
+from gradaccum.cli import main
+from gradaccum.train.corpus import MarkovCorpus
+from gradaccum.train.metrics import read_metrics, without_timing
+
+
+def markov_npy(path, tokens: int, seed: int):
+    """`tokens` tokens of the built-in corpus saved as uint16 ids at `path`; returns `path`."""
+    np.save(path, MarkovCorpus().generate(tokens, seed=seed).astype(np.uint16))
+    return path
+
+
+def markov_folder(tmp_path_factory, tokens: int, seed: int):
+    """A fresh folder holding markov.npy (see markov_npy), for a module's `data` fixture."""
+    folder = tmp_path_factory.mktemp("data")
+    markov_npy(folder / "markov.npy", tokens, seed)
+    return folder
+
+
+def one_line_error(capsys, argv, stdout_empty: bool = True) -> str:
+    """`gradaccum argv` must exit 2 with one line on stderr and no traceback; that line."""
+    code = main(argv)
+    captured = capsys.readouterr()
+    assert code == 2, captured
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
+    if stdout_empty:
+        assert captured.out == ""
+    return lines[0]
+
+
+def train_records(out) -> list[dict]:
+    """metrics.jsonl's window lines (no eval or event lines), without the timing fields."""
+    records = without_timing(read_metrics(os.path.join(out, "metrics.jsonl")))
+    return [r for r in records if "loss" in r]
