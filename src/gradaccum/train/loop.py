@@ -43,6 +43,11 @@ EVAL_TOKENS = 32768
 DIVERGED_WINDOWS = 50
 """Windows in a row with a non-finite loss or gradient after which the run gives up."""
 
+GO, STOP, OUT_OF_MEMORY = 0, 1, 2
+"""What the ranks agree on before each micro-batch (the largest wins)."""
+PEER_OUT_OF_MEMORY = "peer out of memory"
+"""`Run._window`'s answer when another rank ran out of memory in the window."""
+
 LOST_WORDS = ("timed out", "timeout", "connection closed", "connection reset", "pair closure")
 """How a collective reports a peer that died or stopped answering, in the error's first line
 (lower-cased), whether it raised in the loop or inside a DDP hook during backward ("Application
@@ -269,6 +274,8 @@ class Run:
         self.k, self.total = resolved.accum_steps, resolved.total_steps
         self.micro_batch = resolved.micro_batch
         """Sequences per micro-batch as trained now: out of memory mid-window halves it."""
+        self.micro_index = -1
+        """The micro-batch of the window in progress (-1 before its first)."""
         self.notes: list[str] = []  # what a resume changed, one line each
         self.batching = make_batching(
             config, self.micro_batch, rank_info.world_size, resolved.accum_steps
@@ -554,47 +561,69 @@ class Run:
             except devices.out_of_memory_errors() as err:
                 failed = first_line(err)
             # Rewound outside the handler: its traceback holds the window's tensors.
-            if failed is None and result is not None:
+            if failed is None and isinstance(result, StepResult):
                 break
+            if failed is not None:
+                self._tell_ranks_out_of_memory(failed)
             self.acc.abandon_window()
             self.batches.position = position
             checkpoint.set_rng_state(rng)
-            if failed is None:
+            if failed is None and result is None:
                 return None
-            self.shrink_micro_batch(failed)
+            self.shrink_micro_batch(failed or "on another rank")
             position = self.batches.position
         devices.synchronize(self.device)
         self.step_s = time.perf_counter() - t0
         return result
 
-    def _window(self, signals: StopSignals) -> StepResult | None:
+    def _window(self, signals: StopSignals) -> StepResult | str | None:
+        """The window's StepResult; None on a stop request, PEER_OUT_OF_MEMORY when another
+        rank ran out of memory (every rank then redoes the window smaller)."""
+        self.micro_index = -1  # before the micro-batches
         micro_batches = [_to_device(next(self.batches), self.device) for _ in range(self.k)]
         window = self.acc.begin_window(micro_batches)  # counts the window's tokens over ranks
-        for micro_batch in micro_batches:
-            if self._stop_now(signals):
+        for self.micro_index, micro_batch in enumerate(micro_batches):
+            agreed = self._agree(signals)
+            if agreed == OUT_OF_MEMORY:
+                return PEER_OUT_OF_MEMORY
+            if agreed == STOP:
                 return None
             with window.micro_step():  # autocast; gradients sync on the last micro-batch only
                 loss_sum, num_tokens = causal_lm_loss(self.model, micro_batch)
                 window.backward(loss_sum, num_tokens)  # scaled by world / N of the window
         return window.finish()  # clip, optimizer and scheduler step, zero_grad: once
 
+    def _tell_ranks_out_of_memory(self, error: str) -> None:
+        """Under torchrun, after this rank ran out of memory on micro-batch i: the others are
+        about to agree before micro-batch i+1 (`_agree`), so this rank joins that agreement
+        with OUT_OF_MEMORY and all redo the window. On the window's last micro-batch the
+        others may already be in the gradients' all-reduce: nothing to join, the run stops."""
+        if self.rank_info.world_size == 1:
+            return
+        if not 0 <= self.micro_index < self.k - 1:
+            old = self.micro_batch
+            smaller = next((b for b in range(old // 2, 0, -1) if old % b == 0), None)
+            advice = (
+                f"--resume --micro-batch {smaller}" if smaller else "--activation-checkpointing"
+            )
+            raise RunFailed(
+                f"rank {self.rank_info.rank}: out of memory in step {self.acc.steps + 1} "
+                f"outside the window's first k-1 micro-batches ({error}), where the ranks "
+                f"cannot redo it together; continue with {advice} (the tokens per step stay)"
+            )
+        sync.max_over_ranks(OUT_OF_MEMORY)
+
     def shrink_micro_batch(self, error: str) -> None:
         """After out of memory mid-window: the largest micro-batch of at most half the
         sequences that divides the old one, k up by the same factor (tokens per step
         unchanged), the device's cache emptied, the event in metrics.jsonl and on the console.
-        Under torchrun the ranks cannot redo a window together (the others may already wait
-        in the gradients' all-reduce): the run stops with one line saying how to resume."""
+        Every rank does the same (they agreed in `_agree`)."""
         old, step = self.micro_batch, self.acc.steps + 1
         smaller = next((b for b in range(old // 2, 0, -1) if old % b == 0), None)
-        if smaller is None or self.rank_info.world_size > 1:
-            advice = (
-                f"resume with --resume --micro-batch {smaller} (the tokens per step stay)"
-                if smaller
-                else "try --activation-checkpointing or a shorter --seq-len"
-            )
+        if smaller is None:
             raise RunFailed(
                 f"rank {self.rank_info.rank}: out of memory in step {step} at micro-batch "
-                f"{old} ({error}); {advice}"
+                f"{old} ({error}); try --activation-checkpointing or a shorter --seq-len"
             )
         gc.collect()
         devices.empty_cache(self.device)
@@ -618,11 +647,14 @@ class Run:
                 }
             )
 
-    def _stop_now(self, signals: StopSignals) -> bool:
+    def _agree(self, signals: StopSignals) -> int:
+        """Before each micro-batch: GO, STOP (a stop request) or OUT_OF_MEMORY (a rank ran
+        out of memory on the micro-batch before), the same on every rank: ranks must abandon
+        the same micro-step, or one waits in the last one's all-reduce."""
+        here = STOP if signals.requested is not None else GO
         if self.rank_info.world_size == 1:
-            return signals.requested is not None
-        # Ranks must abandon the same micro-step, or one waits in the last one's all-reduce.
-        return bool(sync.max_over_ranks(int(signals.requested is not None)))
+            return here
+        return sync.max_over_ranks(here)
 
     def record(self, result: StepResult) -> None:
         """The window's numbers into the run's state, metrics.jsonl and the progress line."""

@@ -1,0 +1,73 @@
+"""Out of memory on one rank in the middle of a window under torchrun: the ranks agree before
+the next micro-batch, every rank abandons the window, halves its micro-batch, doubles k and
+redoes it. The run must equal one process that trained with the halved micro-batch from that
+window on (2 ranks x b read what one process with micro-batch 2b reads)."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from gradaccum.testing import run_ranks
+from gradaccum.train.config import TrainConfig
+from gradaccum.train.corpus import MarkovCorpus
+from gradaccum.train.loop import train
+from gradaccum.train.metrics import read_metrics
+
+K = 4  # per rank
+
+
+def config(out, data, **kw) -> TrainConfig:
+    base = dict(out=str(out), data=str(data), seq_len=16, max_steps=4, eval_every=0)
+    return TrainConfig(**{**base, "save_every": 0, **kw})
+
+
+def _train_with_failure(info, out, data, fail_rank, fail_at):
+    from gradaccum.train import loop
+
+    if info.rank == fail_rank:
+        real, seen = loop.causal_lm_loss, {"calls": 0}
+
+        def failing(model, batch):
+            seen["calls"] += model.training
+            if seen["calls"] == fail_at:
+                raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+            return real(model, batch)
+
+        loop.causal_lm_loss = failing
+    run_config = loop.prepare(config(out, data, micro_batch=4, accum_steps=K))
+    summary = loop.Run.build(run_config, info).train(None)
+    return [summary["steps"], summary["micro_batch"], summary["accum_steps"]]
+
+
+def train_records(out) -> list[dict]:
+    return [r for r in read_metrics(os.path.join(out, "metrics.jsonl")) if "loss" in r]
+
+
+def _weights(out) -> dict:
+    return torch.load(os.path.join(out, "model.pt"), weights_only=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fail_rank", [0, 1])
+def test_one_rank_out_of_memory_mid_window_is_redone_by_all(tmp_path, fail_rank):
+    data = tmp_path / "markov.npy"
+    np.save(data, MarkovCorpus().generate(40_000, seed=1).astype(np.uint16))
+    out = tmp_path / "two"
+    # The third micro-batch of window 2 on one rank; the other rank is fine.
+    summaries = run_ranks(
+        _train_with_failure, 2, args=(str(out), str(data), fail_rank, K + 3), timeout_s=240
+    )
+    assert summaries == [[4, 2, 2 * K], [4, 2, 2 * K]]
+
+    reference = tmp_path / "one"
+    train(config(reference, data, micro_batch=8, accum_steps=K), should_stop=lambda s: s >= 1)
+    train(config(reference, data, micro_batch=4, accum_steps=K, resume=True))
+    records, expected = train_records(out), train_records(reference)
+    assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in expected], rel=1e-5)
+    assert [r["tokens"] for r in records] == [512 * s for s in (1, 2, 3, 4)]
+    assert [(r["micro_batch"], r["accum_steps"]) for r in records] == [(4, K)] + [(2, 2 * K)] * 3
+    a, b = _weights(out), _weights(reference)
+    for name in b:  # fp32 rounding of the all-reduce, through Adam (see test_train_ddp.py)
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-4)
