@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from . import devices, sync
+from .errors import first_line
 
 # Backends that run only on their own kind of device (gloo runs on any).
 _BACKEND_DEVICE = {"nccl": "cuda", "hccl": "npu", "xccl": "xpu"}
@@ -127,6 +128,20 @@ def init_distributed(
         device_id=dev if dev.type == "cuda" else None,  # nccl: bind and connect eagerly
     )
     return RankInfo(rank, world, local_rank, dev, backend, True)
+
+
+LOST_WORDS = ("timed out", "timeout", "connection closed", "connection reset", "pair closure")
+"""How a collective reports a peer that died or stopped answering, in the error's first line
+(lower-cased), whether it raised in the caller or inside a DDP hook during backward
+("Application timeout caused pair closure")."""
+
+
+def peer_lost(err: BaseException) -> bool:
+    """Whether `err` is a collective failing because another rank died or stopped answering
+    (a `DistError`, or gloo's RuntimeError with one of LOST_WORDS)."""
+    if isinstance(err, dist.DistError):
+        return True
+    return any(word in first_line(err).lower() for word in LOST_WORDS)
 
 
 def teardown(info: RankInfo) -> None:

@@ -118,14 +118,18 @@ class Candidate:
         return None if self.memory is None else self.memory.peak
 
     def to_dict(self) -> dict:
-        peak = self.peak_memory_bytes
-        return {
-            "micro_batch": self.micro_batch,
-            "checkpointing": self.checkpointing,
-            "fits": self.fits,
-            "tokens_per_s": self.tokens_per_s,
-            "peak_memory_gb": None if peak is None else peak / 1e9,
-        }
+        return {**_measured(self), "fits": self.fits}
+
+
+def _measured(x: Candidate | FitResult) -> dict:
+    """The JSON fields a candidate and the chosen size share."""
+    peak = x.peak_memory_bytes
+    return {
+        "micro_batch": x.micro_batch,
+        "checkpointing": x.checkpointing,
+        "tokens_per_s": x.tokens_per_s,
+        "peak_memory_gb": None if peak is None else peak / 1e9,
+    }
 
 
 @dataclass
@@ -169,13 +173,9 @@ class FitResult:
 
     def to_dict(self) -> dict:
         """The `gradaccum fit --json` object."""
-        peak = self.peak_memory_bytes
         return {
-            "micro_batch": self.micro_batch,
+            **_measured(self),
             "accum_steps": self.accum_steps,
-            "checkpointing": self.checkpointing,
-            "tokens_per_s": self.tokens_per_s,
-            "peak_memory_gb": None if peak is None else peak / 1e9,
             "global_batch_tokens": self.global_batch_tokens,
             "candidates": [c.to_dict() for c in self.candidates],
         }

@@ -103,7 +103,25 @@ def add_parser(sub, name: str) -> None:
     cost.add_argument("--model", metavar="NAME", help=f"preset: {', '.join(PRESETS)}")
     cost.add_argument("--peak-tflops", metavar="X", help="peak TFLOP/s of one device")
     cost.add_argument("--mfu", metavar="X", help="model FLOPs utilisation, 0.4 or 40%%")
-    memory = p.add_argument_group("memory per device")
+    _add_memory_flags(p.add_argument_group("memory per device"))
+    lr = p.add_argument_group("learning rate")
+    lr.add_argument(
+        "--base-lr",
+        metavar="X",
+        help="LR tuned at --base-batch-tokens (with --batch-schedule: at its last batch)",
+    )
+    lr.add_argument("--base-batch-tokens", metavar="N", help="global batch of --base-lr, tokens")
+    lr.add_argument(
+        "--lr-rule",
+        choices=LR_RULES,
+        help="LR for a batch c times the base: x 1, x c, x sqrt(c); default sqrt for adamw, "
+        "linear for sgd, none with --batch-schedule",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=run)
+
+
+def _add_memory_flags(memory) -> None:
     memory.add_argument("--precision", choices=PRECISIONS, help="bf16 (default): mixed precision")
     memory.add_argument("--optimizer", choices=OPTIMIZERS, help="adamw (default) or sgd")
     memory.add_argument("--zero", choices=["0", "1", "2", "3"], help="ZeRO stage over --gpus")
@@ -135,21 +153,6 @@ def add_parser(sub, name: str) -> None:
         metavar="R",
         help="LoRA at rank R on every linear layer of every block (needs a model shape)",
     )
-    lr = p.add_argument_group("learning rate")
-    lr.add_argument(
-        "--base-lr",
-        metavar="X",
-        help="LR tuned at --base-batch-tokens (with --batch-schedule: at its last batch)",
-    )
-    lr.add_argument("--base-batch-tokens", metavar="N", help="global batch of --base-lr, tokens")
-    lr.add_argument(
-        "--lr-rule",
-        choices=LR_RULES,
-        help="LR for a batch c times the base: x 1, x c, x sqrt(c); default sqrt for adamw, "
-        "linear for sgd, none with --batch-schedule",
-    )
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(run=run)
 
 
 def inputs_from_args(args: argparse.Namespace) -> PlanInputs:

@@ -33,6 +33,12 @@ def lr_multiplier(batch_ratio: float, rule: str) -> float:
     return batch_ratio if rule == "linear" else math.sqrt(batch_ratio)
 
 
+def k_for(tokens_per_step: float, per_micro_step: int) -> int:
+    """Micro-batches per rank that come closest to `tokens_per_step` when each micro-step
+    takes `per_micro_step` tokens over all ranks: round(tokens / per micro-step), at least 1."""
+    return max(1, math.floor(tokens_per_step / per_micro_step + 0.5))
+
+
 @dataclass(frozen=True)
 class BatchSchedule:
     """Points (tokens seen, tokens per step), sorted by tokens seen, the first at 0."""
@@ -53,8 +59,7 @@ class BatchSchedule:
 
     def accum_steps(self, tokens_seen: int, micro_tokens: int, world: int = 1) -> int:
         """k for the next window: round(target / (micro tokens x world)), at least 1."""
-        per_micro_step = micro_tokens * world
-        return max(1, math.floor(self.target(tokens_seen) / per_micro_step + 0.5))
+        return k_for(self.target(tokens_seen), micro_tokens * world)
 
     def final_tokens_per_step(self, micro_tokens: int, world: int = 1) -> int:
         """Tokens per step after the last point: the batch the given LR belongs to."""
@@ -113,18 +118,19 @@ class Phase:
 
 
 def phases(
-    schedule: BatchSchedule, total_tokens: int, micro_tokens: int, world: int = 1
+    schedule: BatchSchedule, total_tokens: int, micro_tokens: int, world: int = 1, start: int = 0
 ) -> list[Phase]:
-    """The run's phases of equal k, with their steps and tokens: window by window on a
-    linear ramp, in one jump where the target is constant up to the next point."""
+    """The run's phases of equal k from `start` tokens seen (a run's beginning, or where a
+    run stands), with their steps and tokens: window by window on a linear ramp, in one jump
+    where the target is constant up to the next point."""
     out: list[Phase] = []
-    seen = 0
+    seen = start
     while seen < total_tokens:
         k = schedule.accum_steps(seen, micro_tokens, world)
         tps = k * micro_tokens * world
         start, steps = seen, 0
         while seen < total_tokens and schedule.accum_steps(seen, micro_tokens, world) == k:
-            limit = min(total_tokens, constant_until(schedule, seen, k, micro_tokens * world))
+            limit = min(total_tokens, _constant_until(schedule, seen, k, micro_tokens * world))
             jump = max(1, -(-(limit - seen) // tps))
             seen += jump * tps
             steps += jump
@@ -132,7 +138,7 @@ def phases(
     return out
 
 
-def constant_until(schedule: BatchSchedule, seen: int, k: int, per_micro_step: int) -> int:
+def _constant_until(schedule: BatchSchedule, seen: int, k: int, per_micro_step: int) -> int:
     """Tokens seen up to which k stays `k`: the next point, or on a ramp the point where
     the rounded target reaches k +- 1 (found in closed form, so a long ramp costs little)."""
     later = [start for start, _ in schedule.points if start > seen]

@@ -22,9 +22,10 @@ import math
 from ..errors import BadInput
 from ..plan.batch_schedule import (
     BatchSchedule,
-    constant_until,
+    k_for,
     lr_multiplier,
     parse_batch_schedule,
+    phases,
 )
 from .schedule import Schedule
 
@@ -76,7 +77,7 @@ class Batching:
         return self.micro_tokens * self.world
 
     def _k_for(self, tokens_per_step: float) -> int:
-        return max(1, math.floor(tokens_per_step / self.per_micro_step + 0.5))
+        return k_for(tokens_per_step, self.per_micro_step)
 
     def next_k(self, tokens_seen: int) -> int:
         """k of the window that starts after `tokens_seen` tokens."""
@@ -118,17 +119,11 @@ class Batching:
     def steps_left(self, tokens_seen: int, total_tokens: int) -> int:
         """Optimizer steps from `tokens_seen` until `total_tokens` are trained on: exact for
         a schedule (phase by phase, as `plan` counts them), at the present k for `auto`."""
-        if self.schedule is None:
-            per_step = self.k * self.per_micro_step
-            return max(0, -(-(total_tokens - tokens_seen) // per_step))
-        steps, seen = 0, tokens_seen
-        while seen < total_tokens:
-            k = self.schedule.accum_steps(seen, self.micro_tokens, self.world)
-            per_step = k * self.per_micro_step
-            end = min(total_tokens, constant_until(self.schedule, seen, k, self.per_micro_step))
-            jump = max(1, -(-(end - seen) // per_step))
-            seen, steps = seen + jump * per_step, steps + jump
-        return steps
+        if self.schedule is not None:
+            found = phases(self.schedule, total_tokens, self.micro_tokens, self.world, tokens_seen)
+            return sum(p.steps for p in found)
+        per_step = self.k * self.per_micro_step
+        return max(0, -(-(total_tokens - tokens_seen) // per_step))
 
     def state_dict(self) -> dict:
         return {"k": self.k, "last_growth": self.last_growth}

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from .. import devices, sync
 from ..atomic import write_text_atomic
-from ..distributed import RankInfo, init_distributed, teardown
+from ..distributed import RankInfo, init_distributed, peer_lost, teardown
 from ..engine import Accumulator, StepResult
 from ..errors import BadInput, RanksLost, RunFailed, first_line
 from ..plan.sizes import fmt_count
@@ -47,11 +47,6 @@ GO, STOP, OUT_OF_MEMORY = 0, 1, 2
 """What the ranks agree on before each micro-batch (the largest wins)."""
 PEER_OUT_OF_MEMORY = "peer out of memory"
 """`Run._window`'s answer when another rank ran out of memory in the window."""
-
-LOST_WORDS = ("timed out", "timeout", "connection closed", "connection reset", "pair closure")
-"""How a collective reports a peer that died or stopped answering, in the error's first line
-(lower-cased), whether it raised in the loop or inside a DDP hook during backward ("Application
-timeout caused pair closure")."""
 
 
 def train(config: TrainConfig, should_stop: Callable[[int], bool] | None = None) -> dict:
@@ -293,6 +288,7 @@ class Run:
         self.state = RunState()
         self.metrics: MetricsWriter | None = None
         self.tensorboard = None  # a TensorBoardWriter on rank 0 with --tensorboard
+        self.progress: Progress | None = None  # the bar or log lines, while the loop runs
         self.lock = RunLock(config.out)
         self.started = time.perf_counter()
 
@@ -415,9 +411,7 @@ class Run:
         if self.batching.varies:
             self.batching.load_state_dict(state["batching"])
             self.k = self.batching.next_k(self.state.tokens)
-            self.total = self.acc.steps + self.batching.steps_left(
-                self.state.tokens, self.total_tokens
-            )
+            self._count_steps()
 
     def start(self) -> None:
         """Say what is about to happen, take the folder's lock, write train.toml."""
@@ -500,10 +494,9 @@ class Run:
     def _lost(self, err: RuntimeError) -> RanksLost | None:
         """A collective that failed because another rank died or stopped answering, as one
         line; None for any other error."""
-        text = first_line(err)
-        lost = isinstance(err, dist.DistError) or any(word in text.lower() for word in LOST_WORDS)
-        if self.rank_info.world_size == 1 or not lost:
+        if self.rank_info.world_size == 1 or not peer_lost(err):
             return None
+        text = first_line(err)
         return RanksLost(
             f"rank {self.rank_info.rank} of {self.rank_info.world_size}: another rank stopped "
             f"answering (it died or hangs; --dist-timeout {self.config.dist_timeout:g} s) at step "
@@ -601,8 +594,7 @@ class Run:
         if self.rank_info.world_size == 1:
             return
         if not 0 <= self.micro_index < self.k - 1:
-            old = self.micro_batch
-            smaller = next((b for b in range(old // 2, 0, -1) if old % b == 0), None)
+            smaller = _smaller_micro_batch(self.micro_batch)
             advice = (
                 f"--resume --micro-batch {smaller}" if smaller else "--activation-checkpointing"
             )
@@ -619,7 +611,7 @@ class Run:
         unchanged), the device's cache emptied, the event in metrics.jsonl and on the console.
         Every rank does the same (they agreed in `_agree`)."""
         old, step = self.micro_batch, self.acc.steps + 1
-        smaller = next((b for b in range(old // 2, 0, -1) if old % b == 0), None)
+        smaller = _smaller_micro_batch(old)
         if smaller is None:
             raise RunFailed(
                 f"rank {self.rank_info.rank}: out of memory in step {step} at micro-batch "
@@ -631,6 +623,8 @@ class Run:
         self.micro_batch = smaller
         self.batches.set_micro_batch(smaller)
         self.batching.set_micro_tokens(smaller * self.config.seq_len, self.k)
+        if self.batching.varies:
+            self._count_steps()
         line = (
             f"step {step}: out of memory at micro-batch {old} ({error}); redoing the window "
             f"with micro-batch {smaller} x k {self.k}, the same tokens per step"
@@ -690,7 +684,8 @@ class Run:
         )
 
     def _follow_batching(self, result: StepResult) -> None:
-        """After a window of a batch-schedule run: `auto` may grow k; the steps left."""
+        """After a window of a batch-schedule run: `auto` may grow k, and the steps left
+        with it."""
         noise = result.noise
         if self.batching.after_window(result.step, noise.b_simple_tokens if noise else None):
             self.progress.note(
@@ -698,8 +693,14 @@ class Run:
                 f"tokens: k {self.k} -> {self.batching.k} "
                 f"({fmt_count(self.batching.k * self.batching.per_micro_step)} tokens per step)"
             )
-        left = self.batching.steps_left(self.state.tokens, self.total_tokens)
-        self.total = self.progress.total = result.step + left
+            self._count_steps()
+
+    def _count_steps(self) -> None:
+        """A batch-schedule run's total steps from where it stands (they change only when
+        `auto` grows k or the micro-batch shrinks)."""
+        self.total = self.acc.steps + self.batching.steps_left(self.state.tokens, self.total_tokens)
+        if self.progress is not None:
+            self.progress.total = self.total
 
     def _eval_due(self) -> bool:
         step, every = self.acc.steps, self.config.eval_every
@@ -878,6 +879,12 @@ class Run:
         if last is None or not math.isfinite(last.b_simple_tokens):
             return None
         return last.b_simple_tokens
+
+
+def _smaller_micro_batch(micro_batch: int) -> int | None:
+    """The micro-batch to redo a window with after out of memory: the largest divisor of
+    at most half of `micro_batch` (so k grows by a whole factor); None at 1."""
+    return next((b for b in range(micro_batch // 2, 0, -1) if micro_batch % b == 0), None)
 
 
 def _noise_fields(result: StepResult) -> dict:
