@@ -77,6 +77,16 @@ def test_collectives_return_their_input_when_alone():
     assert sync.world_size() == 1 and not sync.is_distributed()
 
 
+def test_window_size_alone_is_this_rank_s_own():
+    assert sync.agree_on_window_size(17, 3, capacity=40) == sync.WindowSize(17, 3, 40)
+    assert sync.agree_on_window_size(0, 2).capacity is None
+
+
+def test_unused_parameters_need_fsdp2_to_do_anything():
+    assert sync.fsdp2_reduce_unused(torch.nn.Linear(2, 2)) is False
+    sync.drop_unreduced_grads([], reset=True)  # nothing sharded: nothing to drop
+
+
 def test_grad_traffic_counts_collectives_and_bytes():
     traffic = sync.GradTraffic()
     traffic.record(torch.zeros(10, dtype=torch.float32))

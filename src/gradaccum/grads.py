@@ -7,6 +7,12 @@ of one flat tensor. Under DDP with such parameters the buffers are not `.grad` t
 could reduce, so DDP never syncs and the store all-reduces the flat buffer once per window
 ("manual sync"). With `master_weights` the optimizer steps fp32 copies of the low-precision
 parameters, copied back (rounded once) after each step.
+
+Parameters the optimizer holds but the model does not (a learnable temperature used in
+loss_fn) are the store's like the model's: buffered, cleared, corrected and clipped. No
+wrapper syncs them, so under data parallelism the store all-reduces their gradient once per
+window (summed over ranks and divided by the world size, as DDP and FSDP2 average), zeros
+standing in on a rank that did not use them.
 """
 
 from __future__ import annotations
@@ -24,8 +30,9 @@ class GradStore:
     """The gradient storage of one model: buffers, the flat buffer, which buffers this window
     wrote, master weights, and the engine's own sync where it owns it.
 
-    params: the parameters that require grad. dp: the model's data parallelism
-    (`sync.data_parallel`). optimizer: re-pointed at the master weights when there are any.
+    params: the parameters that require grad: the model's, then `extras`, those only the
+    optimizer holds. dp: the model's data parallelism (`sync.data_parallel`). optimizer:
+    re-pointed at the master weights when there are any.
     """
 
     def __init__(
@@ -35,13 +42,16 @@ class GradStore:
         optimizer: torch.optim.Optimizer,
         accum_dtype: torch.dtype = torch.float32,
         master_weights: bool = False,
+        extras: list[torch.nn.Parameter] = (),
     ):
         self._params = params
+        self._extras = list(extras)
         self._dp = dp
         self._optimizer = optimizer
-        # FSDP2 reduces and shards gradients itself (its MixedPrecisionPolicy sets the
-        # reduce dtype), so buffers apply to plain and DDP models only.
-        buffered = dp.kind != "fsdp2" and any(_needs_buffer(p, accum_dtype) for p in params)
+        # FSDP2 reduces and shards the model's gradients itself (its MixedPrecisionPolicy sets
+        # the reduce dtype), so there only parameters outside the model may need a buffer.
+        self._candidates = self._extras if dp.kind == "fsdp2" else params
+        buffered = any(_needs_buffer(p, accum_dtype) for p in self._candidates)
         self.manual_sync = buffered and dp.kind == "ddp" and dp.world > 1
         """Whether the store all-reduces the window's gradient itself (DDP never syncs)."""
         self._buffers: dict[torch.Tensor, torch.Tensor] = {}
@@ -54,13 +64,15 @@ class GradStore:
         if master_weights:
             self._make_masters()
         self._traffic = sync.count_grad_traffic(dp.wrapper) if dp.averages else None
+        self._own_traffic = (0, 0)  # the all-reduce of parameters outside the model, this window
+        self._fsdp2 = sync.fsdp2_modules(dp.wrapper) if dp.kind == "fsdp2" else []
 
     # ---- building -------------------------------------------------------------------------
 
     def _make_buffers(self, dtype: torch.dtype) -> None:
         # Under manual sync every parameter, fp32 ones too, goes through the flat buffer so a
         # single all-reduce covers the whole gradient.
-        chosen = [p for p in self._params if self.manual_sync or _needs_buffer(p, dtype)]
+        chosen = [p for p in self._candidates if self.manual_sync or _needs_buffer(p, dtype)]
         device = self._params[0].device
         self._flat = torch.zeros(sum(p.numel() for p in chosen), dtype=dtype, device=device)
         offset = 0
@@ -102,14 +114,38 @@ class GradStore:
     # ---- one window -----------------------------------------------------------------------
 
     def reduce(self) -> None:
-        """Sum the window's gradient over ranks where the store owns the sync (manual sync);
-        DDP and FSDP2 have synced on the last micro-batch already."""
-        if not self.manual_sync:
-            return
-        for p, buf in self._buffers.items():
-            if id(p) not in self._written:
-                buf.zero_()  # a parameter unused on this rank adds nothing
-        dist.all_reduce(self._flat, group=self._dp.group)
+        """Sum the window's gradient over ranks where the store owns the sync: the flat
+        buffer (manual sync), or the parameters outside the model; DDP and FSDP2 have synced
+        the model's on the last micro-batch already."""
+        self._own_traffic = (0, 0)
+        if self.manual_sync:
+            for p, buf in self._buffers.items():
+                if id(p) not in self._written:
+                    buf.zero_()  # a parameter unused on this rank adds nothing
+            dist.all_reduce(self._flat, group=self._dp.group)
+        elif self._extras and self._dp.averages and self._dp.world > 1:
+            self._reduce_extras()
+
+    def _reduce_extras(self) -> None:
+        """All-reduce the gradient of each parameter outside the model. Each rank's backward
+        carried the factor `world` that undoes a wrapper's average (`backward_scale`), so the
+        sum is divided by `world`, as DDP and FSDP2 divide theirs. A rank that did not use the
+        parameter adds zeros, so that every rank steps it alike."""
+        nbytes = 0
+        for p in self._extras:
+            if p in self._buffers:
+                grad = self._buffers[p]
+                if id(p) not in self._written:
+                    grad.zero_()
+                    self._written.add(id(p))
+            else:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grad = p.grad
+            grad.copy_(sync.all_reduce_sum(grad, self._dp.group))  # on the backend's device
+            grad.div_(self._dp.world)
+            nbytes += grad.numel() * grad.element_size()
+        self._own_traffic = (len(self._extras), nbytes)
 
     def gradients(self) -> list[torch.Tensor]:
         """The tensors that hold this window's gradient: buffers, then `.grad` of the rest."""
@@ -139,13 +175,25 @@ class GradStore:
         self._hooks.clear()
 
     def clear(self) -> None:
-        """Drop the window's gradient: `.grad` of parameters and masters, and the record of
-        which buffers were written (their contents are overwritten next window)."""
+        """Drop the window's gradient: `.grad` of parameters, masters and every tensor the
+        optimizer holds, and the record of which buffers were written (their contents are
+        overwritten next window). Once per window, at its start (a backward run outside any
+        window must not leak into it) and at its end."""
         for p in self._params:
             p.grad = None
         for m in self._masters.values():
             m.grad = None
+        for group in self._optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None
         self._written.clear()
+
+    def drop_unreduced(self, reset: bool = False) -> None:
+        """Drop the gradients FSDP2 keeps unreduced from micro-batches run without sync (an
+        abandoned window's, or any backward since the last sync); `reset` FSDP2's iteration
+        state too (`sync.drop_unreduced_grads`)."""
+        if self._fsdp2:
+            sync.drop_unreduced_grads(self._fsdp2, reset)
 
     def traffic(self) -> tuple[int, int]:
         """(gradient collectives, bytes) launched so far: the counter's running totals, 0 for
@@ -161,7 +209,8 @@ class GradStore:
         collectives, nbytes = self.traffic()
         if collectives < 0 or not self._dp.averages:
             return collectives, nbytes
-        return collectives - start[0], nbytes - start[1]
+        own_collectives, own_bytes = self._own_traffic
+        return collectives - start[0] + own_collectives, nbytes - start[1] + own_bytes
 
     # ---- checkpointing --------------------------------------------------------------------
 

@@ -183,8 +183,11 @@ def _count_finding(n_big: float, n_total: float) -> Finding:
 def _mean_finding(big: float, total: float, k: int) -> Finding:
     return Finding(
         module="loss_fn",
-        problem=f"the loss is averaged, not summed: the big batch's is {big:.6g}, the "
-        f"micro-batches' add up to {total:.6g}, about k = {k} times more",
+        problem=f"the loss is averaged, not summed: loss_fn returned {big:.6g} for the big "
+        f"batch and {total:.6g} summed over the micro-batches, about k = {k} times more (a "
+        "mean per batch, where Accumulator expects the sum over valid tokens and divides by "
+        "the window's N itself; it cannot tell the two apart, and the update comes out about "
+        "as many times too small as a micro-batch has tokens)",
         fix="return the loss summed over valid tokens (reduction='sum'), not the model's mean "
         "loss; for Hugging Face models use gradaccum.hf.loss_fn",
     )

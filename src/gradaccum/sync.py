@@ -150,6 +150,66 @@ def _fsdp2_no_sync(model):
         model.set_requires_gradient_sync(True)
 
 
+def fsdp2_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Every module of `model` that `fully_shard` was applied to, the root first."""
+    return [m for m in unwrap_compiled(model).modules() if hasattr(m, "set_requires_gradient_sync")]
+
+
+def fsdp2_reduce_unused(model: torch.nn.Module) -> bool:
+    """Make FSDP2 exact for a parameter unused on some rank (an expert one rank never routes
+    to, inside a module every rank runs): every rank reduce-scatters it, zeros where unused
+    (FSDP2's `set_reduce_scatter_unused_params`), where otherwise the ranks would hand
+    reduce-scatters of different sizes to one collective. A parameter no rank used then gets
+    a zero gradient rather than none. Returns False where this torch has no such option.
+    (A `fully_shard` unit whose forward runs on some ranks only cannot work under FSDP2 at
+    all: its all-gathers differ between ranks in the forward already.)"""
+    modules = fsdp2_modules(model)
+    if not modules or not hasattr(modules[0], "set_reduce_scatter_unused_params"):
+        return False
+    modules[0].set_reduce_scatter_unused_params(True, recurse=True)
+    return True
+
+
+def drop_unreduced_grads(modules: list[torch.nn.Module], reset: bool = False) -> None:
+    """Drop the gradients FSDP2 keeps in its unsharded parameters across backwards run
+    without sync, which it would otherwise add into the next synced backward's reduction
+    (an abandoned window's must not reach the next window). FSDP2 has no public call for it:
+    this reads its parameter groups, and does nothing where its internals differ. `reset`:
+    the root also resets its iteration state where torch has `reset_iter_state` (for a
+    window abandoned after a forward or backward that raised)."""
+    for module in modules:
+        try:
+            groups = module._get_fsdp_state()._fsdp_param_groups
+        except AttributeError:
+            continue
+        for group in groups:
+            for fsdp_param in getattr(group, "fsdp_params", ()):
+                if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None:
+                    fsdp_param.unsharded_accumulated_grad = None
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if unsharded is not None:
+                    unsharded.grad = None
+    if reset and modules and hasattr(modules[0], "reset_iter_state"):
+        try:
+            modules[0].reset_iter_state()
+        except RuntimeError:  # not the root of its FSDP2 tree: nothing in flight to reset
+            pass
+
+
+def broadcast_from_first(tensors: list[torch.Tensor], group=None) -> None:
+    """Copy the first rank's values of `tensors` into every rank's, in place (as DDP does for
+    the model's parameters when it wraps them)."""
+    if not is_distributed(group) or world_size(group) == 1:
+        return
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    device = _collective_device(group)
+    with torch.no_grad():
+        for t in tensors:
+            out = t.detach().to(device).clone()
+            dist.broadcast(out, src=src, group=group)
+            t.copy_(out.to(t.device))
+
+
 def no_backward_sync(model: torch.nn.Module, enabled: bool = True):
     """A context in which backward adds into local gradients without communicating.
 
@@ -165,25 +225,43 @@ def no_backward_sync(model: torch.nn.Module, enabled: bool = True):
     return nullcontext()
 
 
-def agree_on_window(
-    local_tokens: int, local_micro_steps: int, group=None, has_batch: bool = True
-) -> tuple[int, int]:
-    """Sum token counts and take the largest micro-step count over ranks, in one collective.
+@dataclass(frozen=True)
+class WindowSize:
+    """What the ranks agree on before a window's first backward."""
 
-    Returns (tokens over all ranks, micro-steps every rank must run). A rank whose data ran
-    out reports 0 micro-steps and still learns how many backward passes to join.
-    `has_batch` says whether this rank has any batch to run those passes on (its own, or one
-    it repeats with weight 0); when some rank has none, every rank raises the same error
-    instead of the others waiting for it in a collective.
+    tokens: int
+    """Valid tokens over all ranks (the local counts summed; 0 where not counted)."""
+    micro_steps: int
+    """Micro-steps every rank must run: the largest local count."""
+    capacity: int | None
+    """Label elements over all ranks (an upper bound of N, padding included); None unless
+    every rank could read its own."""
+
+
+def agree_on_window_size(
+    local_tokens: int,
+    local_micro_steps: int,
+    group=None,
+    has_batch: bool = True,
+    capacity: int | None = None,
+) -> WindowSize:
+    """Sum token counts and label capacities and take the largest micro-step count over
+    ranks, in one collective.
+
+    A rank whose data ran out reports 0 micro-steps and still learns how many backward
+    passes to join. `has_batch` says whether this rank has any batch to run those passes on
+    (its own, or one it repeats with weight 0); when some rank has none, every rank raises
+    the same error instead of the others waiting for it in a collective.
     """
     if not is_distributed(group):
-        return local_tokens, local_micro_steps
-    mine = torch.tensor([local_tokens, local_micro_steps, int(has_batch)], dtype=torch.int64)
+        return WindowSize(local_tokens, local_micro_steps, capacity)
+    cap = -1 if capacity is None else capacity
+    mine = torch.tensor([local_tokens, local_micro_steps, int(has_batch), cap], dtype=torch.int64)
     device = _collective_device(group)
     mine = mine.to(device)
-    gathered = torch.empty(world_size(group) * 3, dtype=mine.dtype, device=device)
+    gathered = torch.empty(world_size(group) * 4, dtype=mine.dtype, device=device)
     _all_gather(gathered, mine, group)
-    gathered = gathered.view(-1, 3).cpu()
+    gathered = gathered.view(-1, 4).cpu()
     tokens, steps = int(gathered[:, 0].sum()), int(gathered[:, 1].max())
     stranded = [r for r in range(gathered.shape[0]) if not gathered[r, 2]]
     if steps > 0 and stranded:
@@ -191,7 +269,16 @@ def agree_on_window(
             f"ranks {stranded} have no micro-batch for a window of {steps} micro-steps: "
             "their data was empty from the first window on"
         )
-    return tokens, steps
+    caps = gathered[:, 3]
+    return WindowSize(tokens, steps, int(caps.sum()) if bool((caps >= 0).all()) else None)
+
+
+def agree_on_window(
+    local_tokens: int, local_micro_steps: int, group=None, has_batch: bool = True
+) -> tuple[int, int]:
+    """(tokens over all ranks, micro-steps every rank must run): `agree_on_window_size`."""
+    size = agree_on_window_size(local_tokens, local_micro_steps, group, has_batch)
+    return size.tokens, size.micro_steps
 
 
 def max_over_ranks(value: int, group=None) -> int:

@@ -1,0 +1,490 @@
+"""One window in progress: its micro-steps, their backward scale, and its one optimizer step.
+
+`Accumulator.step` and `Accumulator.begin_window` make a `Window`. Besides the numerical
+rules (docs/design.md, "Numerical rules"), a window keeps the engine's rules of use
+(docs/design.md, "Engine rules"), all checked at micro-step entry or at `finish`:
+- it runs exactly the micro-steps it was begun with, one backward in each: a micro-step past
+  the count is refused before its forward, a `finish` short of it is refused, and either way
+  the window is dropped with nothing stepped (under DDP the sync rides on the declared last
+  micro-step, so any other count would be silently wrong);
+- it is used once: after `finish()` or `abandon()` every call refuses;
+- a micro-step that raises drops the window (its partial gradients are not the window's);
+- `loss_fn` (or `backward`) gets one-line errors naming what it returned when it breaks the
+  contract: (loss summed over valid tokens, a tensor with its graph; their count).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from . import devices, sync
+from .noise import NoiseEstimate
+
+if TYPE_CHECKING:
+    from .engine import Accumulator
+
+OPEN, FINISHED, ABANDONED = "open", "finished", "abandoned"
+
+_DECLARE = (
+    "begin_window(n) must be told the micro-steps you run, each with one backward; under "
+    "torchrun run w.micro_steps of them on every rank, repeating a batch with weight=0 on a "
+    "rank that has fewer"
+)
+
+
+@dataclass
+class StepResult:
+    """What one window did. Losses are per token; counts are summed over ranks."""
+
+    loss: float
+    """Mean loss per valid token over the window (all micro-batches, all ranks)."""
+    tokens: int
+    """Valid tokens in the window over all ranks (N)."""
+    micro_steps: int
+    """Forward/backward passes this rank ran (equal on every rank)."""
+    grad_norm: float
+    """L2 norm of the window's gradient before clipping; nan when skipped."""
+    skipped: bool
+    """True when the optimizer did not step (non-finite loss or gradient, or no tokens)."""
+    lr: float
+    """Learning rate of the first parameter group for this step."""
+    step: int
+    """Optimizer steps taken so far, this one included."""
+    skipped_total: int
+    """Windows skipped so far."""
+    loss_scale: float | None = None
+    """fp16 loss scale used in this window; None in fp32/bf16."""
+    peak_memory_bytes: int | None = None
+    """Peak device memory since the window began; None where the device does not track it."""
+    grad_collectives: int = 0
+    """Gradient collectives launched in the window on this rank: DDP bucket all-reduces,
+    FSDP2 reduce-scatters, or the engine's own all-reduce of its fp32 buffer (bf16/fp16
+    parameters under DDP) and of parameters outside the model. 0 on one device; -1 when they
+    could not be counted (a DDP model that already had a communication hook: see
+    `sync.count_grad_traffic`)."""
+    grad_bytes: int = 0
+    """Bytes of gradient this rank handed to those collectives (-1 when not counted)."""
+    noise: NoiseEstimate | None = None
+    """The gradient noise scale after this window (`Accumulator(noise_scale=True)`); None
+    when off, or before the first window of at least 2 micro-batches over all ranks."""
+
+
+def backward_scale(
+    normalize: str,
+    tokens: float,
+    micro_steps: int,
+    world: int,
+    wrapper_averages: bool,
+    loss_scale: float = 1.0,
+) -> float:
+    """What each micro-batch's backward multiplies its loss by, for one window.
+
+    normalize "tokens": the loss is the micro-batch's summed token loss and `tokens` is N, the
+      window's valid tokens over all ranks: scale = world / N (docs/design.md, numerical rules).
+    normalize "micro_batch_mean": the loss is the micro-batch's own mean, and the window's
+      gradient is the mean over its `micro_steps` x `world` micro-batches.
+    world: ranks in the data-parallel group. wrapper_averages: whether the sync divides the
+      summed gradient by `world` (DDP, FSDP2), which the factor `world` undoes; the engine's
+      own all-reduce (bf16/fp16 parameters under DDP) sums, so it needs none.
+    loss_scale: the fp16 loss scale (1 otherwise); unscaled once at the window's end.
+    """
+    undo_average = world if wrapper_averages else 1
+    if normalize == "tokens":
+        return undo_average * loss_scale / max(tokens, 1)
+    return undo_average * loss_scale / max(micro_steps * world, 1)
+
+
+def loss_pair(out) -> tuple:
+    """`loss_fn`'s return value as (loss_sum, num_tokens), or a one-line error naming it."""
+    if isinstance(out, (tuple, list)) and len(out) == 2:
+        return out
+    raise TypeError(
+        f"loss_fn returned {_describe(out)}: it must return (loss_sum, num_tokens), the loss "
+        "summed over the batch's valid tokens and their count"
+    )
+
+
+def checked_loss(loss_sum, num_tokens, source: str) -> torch.Tensor:
+    """The loss as a 0-d fp32 tensor, or a one-line error naming what `source` ("loss_fn
+    returned", "Window.backward got") handed over. Type and shape checks only: no host sync."""
+    if not isinstance(loss_sum, torch.Tensor):
+        value = f" ({loss_sum:.6g})" if isinstance(loss_sum, numbers.Real) else ""
+        raise TypeError(
+            f"{source} a {type(loss_sum).__name__} loss{value}: the loss must be a tensor with "
+            "its graph, summed over the batch's valid tokens"
+        )
+    if loss_sum.numel() != 1:
+        raise ValueError(
+            f"{source} a loss of shape {tuple(loss_sum.shape)}: it must be one number, the loss "
+            "summed (.sum()) over the batch's valid tokens, not one per row or token"
+        )
+    if not loss_sum.requires_grad:
+        raise ValueError(
+            f"{source} a loss without a graph (requires_grad=False): compute it from the "
+            "model's output with gradients enabled"
+        )
+    if isinstance(num_tokens, torch.Tensor):
+        bad = num_tokens.numel() != 1 or num_tokens.is_complex()
+    else:
+        bad = isinstance(num_tokens, bool) or not isinstance(num_tokens, numbers.Real)
+    if bad:
+        what = (
+            f"of shape {tuple(num_tokens.shape)}"
+            if isinstance(num_tokens, torch.Tensor)
+            else repr(num_tokens)
+        )
+        raise TypeError(
+            f"{source} num_tokens {what}: it must be the batch's count of valid tokens, one "
+            "number (an int or a 0-d tensor)"
+        )
+    return (loss_sum if loss_sum.dim() == 0 else loss_sum.reshape(())).float()
+
+
+def _describe(x) -> str:
+    if x is None:
+        return "None"
+    if isinstance(x, (tuple, list)):
+        return f"a {type(x).__name__} of {len(x)} values"
+    if isinstance(x, torch.Tensor):
+        return f"a tensor of shape {tuple(x.shape)}"
+    if isinstance(x, numbers.Real):
+        return f"a {type(x).__name__} ({x:.6g})"
+    return f"a {type(x).__name__}"
+
+
+@dataclass
+class _Measured:
+    """A window's figures after its one host sync; gradient figures are unscaled."""
+
+    loss: float
+    grad_norm: float
+    tokens: float
+    unscale: float  # what the summed gradient must be multiplied by (late N, loss scale)
+    lr: float
+    loss_scale: float | None
+    noise_sums: list[float] = field(default_factory=list)  # sum_i n_i |g_i|^2, n, sequences
+
+    @property
+    def finite(self) -> bool:
+        return math.isfinite(self.loss) and math.isfinite(self.grad_norm)
+
+    @property
+    def ok(self) -> bool:
+        return self.finite and self.tokens > 0
+
+
+class Window:
+    """One window in progress: see `Accumulator.begin_window`. Used once.
+
+    tokens: N over all ranks when counted up front, else None. capacity: the label elements
+    of the window over all ranks when readable (N is at most that); floor: the least estimate
+    of N when neither is known (the previous window's tokens per micro-step, times k).
+    """
+
+    def __init__(
+        self,
+        acc: Accumulator,
+        micro_steps: int,
+        tokens: int | None,
+        capacity: int | None = None,
+        floor: float = 0.0,
+    ):
+        self.acc = acc
+        self.micro_steps = micro_steps
+        self.tokens = tokens
+        self.state = OPEN
+        """"open", then "finished" or "abandoned": a closed window refuses every call."""
+        self._index = 0  # micro-steps completed
+        self._backwards = 0  # backward passes run
+        self._in_micro = False
+        self._ran_backward = False  # in the micro-step in flight
+        self._world = acc.dp.world
+        self._floor = max(floor, float(micro_steps))
+        self._scale = self._first_scale(tokens, capacity)
+        # Running sums (on the device, no host sync): nothing per micro-batch outlives it.
+        self._loss_sum = torch.zeros((), dtype=torch.float64, device=acc.device)
+        self._tokens_seen = torch.zeros((), dtype=torch.float64, device=acc.device)
+        self._traffic_start = acc.store.traffic()
+        self.sequences = 0
+        """This rank's sequences (rows) in the window, for the noise scale in sequences."""
+        devices.reset_peak_memory(acc.device)
+
+    @property
+    def micro_steps_run(self) -> int:
+        """Micro-steps completed so far."""
+        return self._index
+
+    def _first_scale(self, tokens: int | None, capacity: int | None) -> float | None:
+        # The backward scale, once per window. Without a count of N, the window's label
+        # elements bound it from above, so no backward carries more than the loss scale
+        # (fp16 does not overflow for want of N); `finish` corrects to the exact N. With
+        # neither, the scale waits for the first micro-batch (`_estimated_scale`).
+        acc = self.acc
+        if tokens is not None or acc.normalize != "tokens":
+            return self._scale_for(tokens or 0, acc.scaler.scale)
+        if capacity is not None:
+            return self._scale_for(capacity, acc.scaler.scale)
+        return None
+
+    def _scale_for(self, tokens: float, loss_scale: float) -> float:
+        acc = self.acc
+        return backward_scale(
+            acc.normalize,
+            tokens,
+            self.micro_steps,
+            self._world,
+            acc.dp.averages and not acc.store.manual_sync,
+            loss_scale,
+        )
+
+    # ---- the micro-steps -----------------------------------------------------------------
+
+    @contextmanager
+    def micro_step(self):
+        """Context for one micro-batch's forward and backward: autocast, and no gradient sync
+        except on the window's last micro-batch. Refused past the window's micro-steps
+        (before the forward); a body that raises drops the window."""
+        self._require_open("micro_step()")
+        if self._index >= self.micro_steps:
+            self._refuse(
+                f"micro_step() {self._index + 1} of a window begun with {self.micro_steps} "
+                "micro-steps"
+            )
+        acc = self.acc
+        last = self._index == self.micro_steps - 1
+        skip_sync = acc.store.manual_sync or not (last or acc.sync_every_micro_batch)
+        self._in_micro, self._ran_backward = True, False
+        try:
+            with ExitStack() as stack:
+                stack.enter_context(sync.no_backward_sync(acc.dp.wrapper, enabled=skip_sync))
+                stack.enter_context(devices.autocast(acc.device, acc.autocast_dtype))
+                yield
+        except BaseException:
+            self._in_micro = False
+            self._drop()
+            raise
+        self._in_micro = False
+        self._index += 1
+
+    def backward(self, loss_sum: torch.Tensor, num_tokens, weight: float = 1.0) -> None:
+        """Backward of one micro-batch's summed loss, scaled so that the window adds up to the
+        token mean (or the micro-batch mean, if the Accumulator was built that way). Once per
+        micro-step, inside it. Weight 0 marks a repeated batch that only joins the
+        collectives."""
+        self.run_backward(loss_sum, num_tokens, weight, "Window.backward got")
+
+    def run_backward(self, loss_sum, num_tokens, weight: float, source: str) -> None:
+        """`backward`, its errors naming `source` ("loss_fn returned" from `Accumulator.step`)."""
+        if not self._in_micro:
+            self._require_open("backward()")
+            raise RuntimeError(
+                "Window.backward outside `with window.micro_step():` (the micro-step sets "
+                "autocast and the gradient sync)"
+            )
+        if self._ran_backward:
+            raise RuntimeError(
+                f"Window.backward twice in micro-step {self._index + 1}: add the micro-batch's "
+                "losses and call it once"
+            )
+        acc = self.acc
+        loss = checked_loss(loss_sum, num_tokens, source)
+        if acc.normalize == "micro_batch_mean":
+            loss = loss / torch.as_tensor(num_tokens, device=loss.device).clamp(min=1)
+        if self._scale is None:
+            self._scale = self._estimated_scale(num_tokens if weight else 0)
+        if weight:
+            self._loss_sum.add_(loss.detach())
+            self._tokens_seen.add_(num_tokens)
+        scaled = loss * (self._scale if weight else 0.0)
+        if acc.autocast_dtype is None:
+            scaled.backward()
+        else:
+            with torch.autocast(acc.device.type, enabled=False):
+                scaled.backward()
+        self._ran_backward = True
+        self._backwards += 1
+        if acc.noise is not None:  # its hooks saw this backward's gradients, scaled
+            acc.noise.end_micro(self._scale if weight else 0.0, num_tokens)
+
+    def _estimated_scale(self, first_tokens) -> float:
+        # Neither N nor the label elements are known: estimate N as the first micro-batch's
+        # tokens (summed over ranks, so that every rank scales alike) times the micro-steps,
+        # never below the floor (the previous window's rate, at least 1 token per micro-step).
+        # One host sync, and under data parallelism one 8-byte all-reduce; `finish` corrects.
+        first = torch.as_tensor(first_tokens, dtype=torch.float64, device=self.acc.device)
+        if self.acc.dp.averages:
+            first = sync.all_reduce_sum(first.reshape(1), self.acc.dp.group)
+        estimate = max(float(first.sum()) * self.micro_steps, self._floor)
+        return self._scale_for(estimate, self.acc.scaler.scale)
+
+    # ---- closing -------------------------------------------------------------------------
+
+    def finish(self) -> StepResult:
+        """Reduce -> measure (the window's one host sync) -> step or skip -> result. Refused,
+        the window dropped and nothing stepped, unless every micro-step it was begun with ran
+        with one backward."""
+        self._require_open("finish()")
+        if self._in_micro:
+            self._refuse("finish() inside a micro-step")
+        if self._index < self.micro_steps:
+            self._refuse(
+                f"finish() after {self._index} of the {self.micro_steps} micro-steps the "
+                "window was begun with"
+            )
+        if self._backwards < self.micro_steps:
+            self._refuse(
+                f"finish() after {self.micro_steps} micro-steps, {self._backwards} of which "
+                "ran a backward"
+            )
+        self.state = FINISHED  # from here on a second finish() is refused
+        try:
+            result = self._finish()
+        except BaseException:
+            self.state = ABANDONED
+            self.acc.window_closed(self, dropped=True)
+            raise
+        self.acc.window_closed(self, dropped=False, tokens=result.tokens)
+        return result
+
+    def abandon(self) -> None:
+        """Drop this window: partial gradients cleared, nothing stepped or counted, the loss
+        scale untouched (for out-of-memory recovery; then run the window again, smaller).
+        Harmless on a window already abandoned; refused on one finished."""
+        if self.state == FINISHED:
+            raise RuntimeError("abandon() on a window already finished: its step is taken")
+        self._drop()
+
+    def _drop(self) -> None:
+        if self.state == OPEN:
+            self.state = ABANDONED
+            self.acc.window_closed(self, dropped=True)
+
+    def _refuse(self, what: str):
+        self._drop()
+        raise RuntimeError(f"{what}: the window is dropped and nothing stepped ({_DECLARE})")
+
+    def _require_open(self, call: str) -> None:
+        if self.state != OPEN:
+            raise RuntimeError(
+                f"{call} on a window already {self.state}: begin another (acc.begin_window or "
+                "acc.step)"
+            )
+
+    # ---- the window's one step -----------------------------------------------------------
+
+    def _finish(self) -> StepResult:
+        acc = self.acc
+        acc.store.reduce()
+        grads = acc.store.gradients()
+        measured = self._measure(grads)
+        if measured.ok:
+            self._step(grads, measured)
+            if acc.noise is not None:  # S_big: the window's gradient, unscaled, unclipped
+                weighted, micro_batches, sequences = measured.noise_sums
+                s_big = measured.grad_norm**2
+                acc.noise.update((weighted, micro_batches), s_big, measured.tokens, sequences)
+        else:
+            acc.skipped_total += 1
+        acc.scaler.update(found_inf=not measured.finite)
+        acc.store.clear()
+        return self._result(measured)
+
+    def _measure(self, grads: list[torch.Tensor]) -> _Measured:
+        acc = self.acc
+        sums = torch.stack([self._loss_sum, self._tokens_seen])
+        if acc.noise is not None:  # they travel in the window's one small all-reduce
+            rows = torch.tensor([float(self.sequences)], dtype=sums.dtype, device=sums.device)
+            sums = torch.cat([sums, acc.noise.local_sums().to(sums.device), rows])
+        if acc.dp.averages:
+            sums = sync.all_reduce_sum(sums, acc.dp.group)
+        loss_total, seen = sums[0], sums[1]
+        n_tokens = seen if self.tokens is None else torch.full_like(seen, self.tokens)
+        if acc.normalize == "tokens":
+            loss = loss_total / n_tokens.clamp(min=1)
+        else:
+            loss = loss_total / (self.micro_steps * self._world)
+        norm = total_norm(grads, acc.device).double().to(loss.device)
+        figures = torch.cat([torch.stack([loss, norm, n_tokens, seen]), sums[2:]]).tolist()
+        loss_f, norm_f, tokens_f, seen_f = figures[:4]
+        if acc.normalize == "tokens" and self.micro_steps and round(seen_f) != round(tokens_f):
+            raise ValueError(
+                f"loss_fn reported {round(seen_f)} valid tokens over the window, but its "
+                f"micro-batches hold {round(tokens_f)} by count_tokens (labels != ignore_index "
+                "of batch['labels'], or of batch[1] for tuples): both must count the tokens the "
+                "loss sums over (if loss_fn shifts labels itself, pass a count_tokens that "
+                "shifts them too); the window is dropped and nothing stepped"
+            )
+        # The gradient was summed under self._scale; the window's own is that of N, unscaled.
+        unscale = self._scale_for(tokens_f, 1.0) / self._scale if self._scale else 1.0
+        loss_scale = acc.scaler.scale if acc.scaler.enabled else None
+        lr = float(acc.optimizer.param_groups[0]["lr"])
+        measured = _Measured(loss_f, norm_f * unscale, tokens_f, unscale, lr, loss_scale)
+        measured.noise_sums = figures[4:]
+        return measured
+
+    def _step(self, grads: list[torch.Tensor], measured: _Measured) -> None:
+        """Unscale and clip in one pass, step the optimizer and the scheduler once (a
+        ReduceLROnPlateau is given the window's loss)."""
+        acc = self.acc
+        coef = measured.unscale
+        if acc.max_grad_norm is not None:
+            coef *= min(1.0, acc.max_grad_norm / (measured.grad_norm + 1e-6))
+        if coef != 1.0:
+            for same_kind in _by_kind(grads):
+                torch._foreach_mul_(same_kind, coef)
+        acc.store.step(acc.optimizer.step)
+        if isinstance(acc.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            acc.scheduler.step(measured.loss)
+        elif acc.scheduler is not None:
+            acc.scheduler.step()
+        acc.steps += 1
+
+    def _result(self, measured: _Measured) -> StepResult:
+        collectives, nbytes = self.acc.store.window_traffic(self._traffic_start)
+        return StepResult(
+            loss=measured.loss,
+            tokens=int(round(measured.tokens)),
+            micro_steps=self.micro_steps,
+            grad_norm=measured.grad_norm if measured.ok else math.nan,
+            skipped=not measured.ok,
+            lr=measured.lr,
+            step=self.acc.steps,
+            skipped_total=self.acc.skipped_total,
+            loss_scale=measured.loss_scale,
+            peak_memory_bytes=devices.peak_memory_bytes(self.acc.device),
+            grad_collectives=collectives,
+            grad_bytes=nbytes,
+            noise=None if self.acc.noise is None else self.acc.noise.last,
+        )
+
+
+def _by_kind(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """The gradients split into DTensors (FSDP2 shards) and plain tensors (everything else, a
+    parameter outside an FSDP2 model included): foreach ops take one kind at a time."""
+    sharded = [g for g in grads if hasattr(g, "full_tensor")]
+    plain = [g for g in grads if not hasattr(g, "full_tensor")]
+    return [kind for kind in (sharded, plain) if kind]
+
+
+def total_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The L2 norm of all of `grads` (whole tensors under FSDP2: DTensor norms are reduced)."""
+    norms = []
+    for same_kind in _by_kind(grads):
+        if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6
+            norm = torch.nn.utils.get_total_norm(same_kind, norm_type=2.0, foreach=True)
+        else:
+            norm = torch.linalg.vector_norm(
+                torch.stack([torch.linalg.vector_norm(g) for g in same_kind])
+            )
+        if hasattr(norm, "full_tensor"):  # DTensor gradients under FSDP2
+            norm = norm.full_tensor()
+        norms.append(norm.to(device))
+    if not norms:
+        return torch.zeros((), device=device)
+    return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
