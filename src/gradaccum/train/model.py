@@ -21,7 +21,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..errors import BadInput, first_line
+from ..errors import BadInput
+from ..models import hf_folder
+from ..models.hf_folder import sees_only_the_past  # noqa: F401  (importable from here too)
+from ..models.hf_folder import short_error as _short
 
 # Layers, heads and width of each preset; vocab and seq_len come from the data.
 PRESETS: dict[str, dict] = {
@@ -242,7 +245,20 @@ def _hf_model(flag: str, path: str, source: str, vocab_size, seq_len):
         raise BadInput(
             flag, path, f"not a causal LM config (model_type {config.model_type} has no vocabulary)"
         )
-    max_pos = next(
+    _check_fits(
+        flag, path, config.vocab_size, _max_positions(config) or 1 << 62, vocab_size, seq_len
+    )
+    try:
+        model = AutoModelForCausalLM.from_config(config)
+    except ValueError as err:
+        raise BadInput(flag, path, f"not a causal LM config ({_short(err)})") from None
+    hf_folder.refuse_non_causal(model, flag, path)
+    return model, _hf_info(model, config, source, seq_len)
+
+
+def _max_positions(config) -> int | None:
+    """The longest sequence an HF config allows, in tokens (None: it does not say)."""
+    return next(
         (
             getattr(config, a)
             for a in ("max_position_embeddings", "n_positions", "max_seq_len", "n_ctx")
@@ -250,21 +266,12 @@ def _hf_model(flag: str, path: str, source: str, vocab_size, seq_len):
         ),
         None,
     )
-    _check_fits(flag, path, config.vocab_size, max_pos or 1 << 62, vocab_size, seq_len)
-    try:
-        model = AutoModelForCausalLM.from_config(config)
-    except ValueError as err:
-        raise BadInput(flag, path, f"not a causal LM config ({_short(err)})") from None
-    if not sees_only_the_past(model, config.vocab_size):
-        raise BadInput(
-            flag,
-            path,
-            f"model_type {config.model_type} builds {type(model).__name__}, which reads later "
-            "tokens to predict earlier ones (an encoder, not a causal decoder); only causal "
-            "language models can be trained here",
-        )
+
+
+def _hf_info(model: nn.Module, config, source: str, seq_len) -> ModelInfo:
     get = lambda *names: next((getattr(config, n) for n in names if hasattr(config, n)), 0)  # noqa: E731
-    info = ModelInfo(
+    max_pos = _max_positions(config)
+    return ModelInfo(
         source=source,
         kind="hf",
         params=sum(p.numel() for p in model.parameters()),
@@ -275,29 +282,25 @@ def _hf_model(flag: str, path: str, source: str, vocab_size, seq_len):
         seq_len=int(max_pos if max_pos else seq_len or 0),
         config=config.to_dict(),
     )
-    return model, info
 
 
-def _short(err: BaseException, limit: int = 160) -> str:
-    """A library's message cut to its first sentence: some list every model type there is."""
-    text = first_line(err).split(". ")[0]
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-@torch.no_grad()
-def sees_only_the_past(model: nn.Module, vocab_size: int, length: int = 8) -> bool:
-    """Whether the logits at each position are independent of the tokens after it: change
-    the last token of a fixed sequence and compare the logits before it. Uses no RNG."""
-    was_training = model.training
-    model.eval()
-    try:
-        ids = (torch.arange(length) * 7 % vocab_size).unsqueeze(0)
-        changed = ids.clone()
-        changed[0, -1] = (changed[0, -1] + 1) % vocab_size
-        before, after = (model(x).logits[0, :-1] for x in (ids, changed))
-    finally:
-        model.train(was_training)
-    return torch.allclose(before, after, rtol=1e-4, atol=1e-5)
+def _from_hf_folder(directory: str, vocab_size, seq_len, dtype: str):
+    """A folder as transformers' save_pretrained writes it (gradaccum.models.hf_folder)."""
+    folder = hf_folder.read_folder(directory, flag="--init-from")
+    config = folder.config
+    _check_fits(
+        "--init-from",
+        directory,
+        config.vocab_size,
+        _max_positions(config) or 1 << 62,
+        vocab_size,
+        seq_len,
+    )
+    model = hf_folder.load_model(folder, dtype=dtype)
+    # model.config, not the folder's: it records the dtype loaded (fp32 when upcast), which a
+    # checkpoint's config.json must carry for from_config to rebuild the same model.
+    source = f"HF {folder.describe()} from {directory}"
+    return model, _hf_info(model, model.config, source, seq_len)
 
 
 def _load_state_dict(directory: str) -> dict:
@@ -332,7 +335,7 @@ def _load_state_dict(directory: str) -> dict:
     return clean
 
 
-def _from_checkpoint(directory: str, vocab_size, seq_len, dropout: float):
+def _from_checkpoint(directory: str, vocab_size, seq_len, dropout: float, dtype: str):
     flag = "--init-from"
     config_path = os.path.join(directory, "config.json")
     if not os.path.isdir(directory):
@@ -359,7 +362,9 @@ def _from_checkpoint(directory: str, vocab_size, seq_len, dropout: float):
             raise BadInput(f"{flag} {directory}: config.json is not a GPT config ({err})") from None
         _check_fits(flag, directory, cfg.vocab_size, cfg.seq_len, vocab_size, seq_len)
         model, info = GPT(cfg), None
-    else:
+    elif not os.path.exists(os.path.join(directory, "model.pt")):
+        return _from_hf_folder(directory, vocab_size, seq_len, dtype)
+    else:  # this project's own checkpoint of a Hugging Face model: config.json and model.pt
         model, info = _hf_model(flag, directory, source, vocab_size, seq_len)
     try:
         model.load_state_dict(_load_state_dict(directory))
@@ -377,21 +382,26 @@ def build_model(
     vocab_size: int | None = None,
     seq_len: int | None = None,
     dropout: float = 0.0,
+    dtype: str = "auto",
 ) -> tuple[nn.Module, ModelInfo]:
     """Build the model to train, from exactly one of a preset, an HF config or a checkpoint.
 
     preset: a key of PRESETS; vocab_size and seq_len (tokens) are then required.
     config_path: a Hugging Face config.json (or its folder), built with transformers, random
         init, nothing downloaded; vocab and positions come from the config.
-    init_from: a folder with config.json and model.safetensors or model.pt (a state_dict).
+    init_from: a checkpoint folder of this project (config.json and model.safetensors or
+        model.pt, a state_dict), or a Hugging Face folder as save_pretrained writes it (single
+        or sharded safetensors, pytorch_model.bin; gradaccum.models.hf_folder).
     For the last two, vocab_size and seq_len, when given, are checked to fit the model.
+    dtype: for a Hugging Face folder, "auto" keeps the stored dtype (bf16 stays bf16), "fp32"
+        upcasts. Other models are built as their config says (the built-in GPT in fp32).
     Raises BadInput naming the flag on bad input.
     """
     given = [x for x in (preset, config_path, init_from) if x is not None]
     if len(given) != 1:
         raise ValueError("build_model: give exactly one of preset, config_path, init_from")
     if init_from is not None:
-        return _from_checkpoint(init_from, vocab_size, seq_len, dropout)
+        return _from_checkpoint(init_from, vocab_size, seq_len, dropout, dtype)
     if config_path is not None:
         if not os.path.exists(config_path):
             raise BadInput(f"--model-config {config_path}: no such file")
