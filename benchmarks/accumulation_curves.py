@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 
-from gradaccum.atomic import write_atomic, write_text_atomic
+from gradaccum.atomic import exit_on_disk_full, write_atomic, write_text_atomic
 from gradaccum.plan.sizes import parse_count
 from gradaccum.train.loop import TrainConfig, train
 from gradaccum.train.metrics import read_metrics
@@ -176,4 +176,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_on_disk_full(main, os.path.basename(__file__)))

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from gradaccum import Accumulator, devices, sync
-from gradaccum.atomic import write_text_atomic
+from gradaccum.atomic import exit_on_disk_full, write_text_atomic
 from gradaccum.distributed import init_distributed, teardown
 from gradaccum.testing import run_ranks
 from gradaccum.train.model import GPT, PRESETS, GPTConfig, causal_lm_loss
@@ -187,4 +187,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_on_disk_full(main, os.path.basename(__file__)))

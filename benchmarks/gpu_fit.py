@@ -24,7 +24,7 @@ import time
 import torch
 
 from gradaccum import devices, fit
-from gradaccum.atomic import write_text_atomic
+from gradaccum.atomic import exit_on_disk_full, write_text_atomic
 from gradaccum.plan.sizes import parse_count
 from gradaccum.precision import autocast_dtype
 from gradaccum.train.model import build_model, causal_lm_loss
@@ -163,4 +163,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(exit_on_disk_full(main, os.path.basename(__file__)))

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from gradaccum import Accumulator, devices
-from gradaccum.atomic import write_text_atomic
+from gradaccum.atomic import exit_on_disk_full, write_text_atomic
 from gradaccum.train.model import GPT, GPTConfig, causal_lm_loss
 
 IGNORE = -100
@@ -156,4 +156,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_on_disk_full(main, os.path.basename(__file__)))

@@ -34,7 +34,7 @@ from reference import (  # noqa: E402
 )
 
 from gradaccum import Accumulator  # noqa: E402
-from gradaccum.atomic import write_text_atomic  # noqa: E402
+from gradaccum.atomic import exit_on_disk_full, write_text_atomic  # noqa: E402
 from gradaccum.testing import run_ranks  # noqa: E402
 
 K = 4
@@ -177,4 +177,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_on_disk_full(main, os.path.basename(__file__)))

@@ -123,6 +123,39 @@ def test_table_names_who_divides_by_k(no_peers):
     assert "overhead ratio" in text
 
 
+def test_it_says_what_it_will_run_before_the_first_step_then_each_figure(monkeypatch):
+    from gradaccum.bench import measure
+
+    heard = []
+    real = measure.big_batch_gradient
+
+    def reference(*args):  # the first computation on the data: the plan must come before it
+        heard.append("<reference computed>")
+        return real(*args)
+
+    monkeypatch.setattr(measure, "big_batch_gradient", reference)
+    run_bench(BenchConfig(peers=(), **{**SMALL, "rounds": 2}), progress=heard.append)
+    assert heard[1] == "<reference computed>"
+    # 2 x 16 tokens x k 4 = 128 tokens per step; 2 contestants, 1 check step and 2 x (1 + 1)
+    assert heard[0].startswith("bench: tiny (") and "on cpu" in heard[0]
+    assert "micro-batch 2 x 16 tokens x k 4 = 128 tokens per optimizer step" in heard[0]
+    assert "2 contestants (gradaccum, hand-loop)" in heard[0]
+    assert "then 2 round(s) of 2 steps; first the big batch's gradient" in heard[0]
+    assert heard[2].startswith("float64 big-batch gradient (the reference): ")
+    # after the first step: the steps left, 1 check and 2 contestants x 2 rounds x 2 steps
+    assert heard[3].startswith("update check, gradaccum: error ")
+    assert "the 9 steps left take about" in heard[3]
+    assert heard[4].startswith("update check, hand-loop: error ")
+    rounds = [line.split(":")[0] for line in heard[5:]]
+    assert rounds == [
+        "round 1/2, gradaccum",
+        "round 1/2, hand-loop",
+        "round 2/2, hand-loop",  # the order alternates
+        "round 2/2, gradaccum",
+    ]
+    assert all(line.endswith(" s)") and "tokens/s" in line for line in heard[5:])
+
+
 def test_a_missing_peer_is_skipped_with_its_reason(monkeypatch, capsys):
     import importlib
 

@@ -86,12 +86,32 @@ def test_table_output(capsys):
         (["--zero", "7"], "--zero"),
         (["--precision", "fp8"], "--precision"),
         (["--gpus", "0"], "--gpus 0"),
+        (["--gpus", "1e12", "--target-tokens", "1M"], "--gpus 1T: at most 1,000,000 devices"),
+        (["--devices", "1000001"], "--gpus 1000001: at most 1,000,000 devices"),
     ],
 )
 def test_bad_values_exit_2_with_one_line(capsys, args, named):
     code, out, err = run_plan(capsys, *args)
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and named in err and "Traceback" not in err
+
+
+def test_a_plan_without_gpus_says_one_device_was_assumed(capsys):
+    # 1M tokens of 512-token sequences, one per micro-batch: k = round(1e6 / 512) = 1953
+    # on the one device assumed, in the table, the notes and the JSON
+    args = ["--target-tokens", "1M", "--seq-len", "512", "--micro-batch", "1"]
+    code, out, _ = run_plan(capsys, *args)
+    assert code == 0
+    devices = next(line for line in out.splitlines() if line.startswith("│ devices"))
+    assert "assumed: --gpus not given" in devices
+    assert "note: one device assumed (--gpus not given)" in out
+    d = json.loads(run_plan(capsys, *args, "--json")[1])
+    assert d["world_size"] == 1 and d["world_size_assumed"] is True and d["accum_steps"] == 1953
+    # given, even as 1, nothing is assumed
+    code, out, _ = run_plan(capsys, *args, "--gpus", "1")
+    assert "assumed" not in out
+    d = json.loads(run_plan(capsys, *args, "--gpus", "4", "--json")[1])
+    assert d["world_size_assumed"] is False and d["accum_steps"] == 488  # round(1953.125 / 4)
 
 
 @pytest.mark.parametrize(

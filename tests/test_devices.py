@@ -82,3 +82,56 @@ def test_out_of_memory_is_caught_by_type_not_by_message():
     assert isinstance(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried 2 GiB"), errors)
     # a RuntimeError that merely mentions memory is not one
     assert not isinstance(RuntimeError("out of memory"), errors)
+
+
+# ---- one --device check for every command ------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["train", "fit", "bench"])
+@pytest.mark.parametrize(
+    "device, says",
+    [
+        ("cuda", "built without CUDA"),
+        ("cuda:1", "built without CUDA"),
+        ("mps", "built without MPS"),
+        ("xpu", "no Intel XPU"),
+        ("meta", "meta tensors hold no data"),
+        ("npu", "torch_npu is not installed"),
+        ("tpu", "unknown device; choose cpu, cuda"),
+        ("cpu:3", "this machine has 1 cpu device(s): cpu:0"),
+        ("cuda:one", "the index after ':' must be a whole number"),
+    ],
+)
+def test_every_command_refuses_a_device_it_cannot_use_in_one_line(
+    command, device, says, tmp_path, capsys
+):
+    from gradaccum.cli import main
+
+    if torch.cuda.is_available() or torch.backends.mps.is_available():
+        pytest.skip("this check is about a CPU-only build of torch")
+    argv = [command, "--device", device]
+    if command == "train":
+        argv += ["--out", str(tmp_path / "run")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"gradaccum: error: --device {device}: ") and says in err, err
+    assert "privateuseone" not in err  # not torch's own list of device types
+    if device == "npu":  # the kind is refused for what is missing, not listed as a choice
+        assert "choose" not in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_index_is_checked_against_the_devices_present(monkeypatch):
+    from gradaccum.errors import BadInput
+
+    monkeypatch.setattr(devices, "available", lambda kind: kind in ("cpu", "cuda"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    for name in ("auto", "cpu", "cuda", "cuda:0", "cuda:1"):
+        devices.check_device(name)
+    with pytest.raises(
+        BadInput,
+        match=r"^--device cuda:2: this machine has 2 cuda device\(s\): "
+        r"cuda:0 to cuda:1$",
+    ):
+        devices.check_device("cuda:2")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import struct
+import time
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from gradaccum.precision_study import (
     precision_study,
     write_plot,
 )
+from gradaccum.processes import RANK_BASE_BYTES, RANKS_PER_CORE, rank_capacity
 from gradaccum.testing import big_batch_grads, max_rel_error, token_loss
 from gradaccum.train.model import GPT, GPTConfig
 from gradaccum.verification import TOLERANCES, WRONG_WAYS, concat_batches, sample_batches
@@ -297,3 +299,80 @@ def test_cli_hf_config_and_precision_study(capsys, tmp_path):
         for m in ("fp32", "bf16_fp32_buffer", "bf16_accumulation", "fp16_loss_scaler")
     }
     assert got["plot"] == str(plot) and plot.read_bytes()[:4] == b"\x89PNG"
+
+
+# ---- sizes and paths refused before any work, in one line ------------------------------------
+
+
+def test_cli_world_size_the_machine_cannot_hold_is_refused_before_starting(capsys):
+    started = time.monotonic()
+    code, out, err = _run(capsys, "--world-size", "100000")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "--world-size 100000: more ranks than this machine holds" in err
+    # the rule: at most 4 ranks per usable core, and the memory of 0.3 GB + 48 bytes per
+    # parameter each (the tiny preset here)
+    limit, rule = rank_capacity(48 * 834_304)
+    assert f"at most {limit}: {rule}" in err and "per CPU core" in err
+    assert time.monotonic() - started < 30  # nothing was started
+    words = _help(capsys)  # the same rule in --help
+    assert f"at most {RANKS_PER_CORE} per CPU core" in words
+    assert f"{RANK_BASE_BYTES / 1e9:.1f} GB plus 48 bytes per model parameter" in words
+
+
+def _help(capsys) -> str:
+    with pytest.raises(SystemExit):
+        main(["verify", "--help"])
+    return " ".join(capsys.readouterr().out.split())
+
+
+def test_cli_plot_without_the_study_is_refused(capsys, tmp_path):
+    code, out, err = _run(capsys, *SMALL, "--plot", str(tmp_path / "p.png"))
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert f"--plot {tmp_path / 'p.png'}: needs --precision-study" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("where", ["missing_folder", "a_folder"])
+def test_cli_plot_path_is_checked_before_the_study(capsys, tmp_path, where):
+    plot = tmp_path / "nowhere" / "study.png" if where == "missing_folder" else tmp_path
+    started = time.monotonic()
+    code, out, err = _run(
+        capsys, *SMALL, "--precision-study", "--k-max", "1024", "--plot", str(plot)
+    )
+    # one line, before the study (which prints its progress on stderr and takes minutes)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert f"--plot {plot}: " in err and "precision study" not in err
+    assert ("no folder" in err) if where == "missing_folder" else ("is a folder" in err)
+    assert time.monotonic() - started < 30
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_cli_sizes_beyond_what_the_reference_can_take_are_refused(capsys):
+    started = time.monotonic()
+    code, out, err = _run(capsys, "--seq-len", "100000")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "--seq-len 100000: at most 4096" in err
+    assert "at most 4096" in _help(capsys)
+    # 100000 x 64 x 64 tokens, about 80 kB each in float64 on the tiny preset: far past any
+    # machine's memory; the line names the three flags and what it would need
+    code, out, err = _run(capsys, "--k", "100000", "--micro-batch", "64")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "--k 100000 x --micro-batch 64 x --seq-len 64: verify's float64 big batch" in err
+    need_gb = 100_000 * 64 * 64 * 8 * (18 * 4 * 128 + 3 * 256) / 1e9
+    assert f"needs about {need_gb:,.0f} GB" in err
+    assert time.monotonic() - started < 30
+
+
+@pytest.mark.slow
+def test_cli_a_long_window_says_what_it_does(capsys):
+    # 65 x 4 x 64 = 16,640 positions: above the 16,384 that run in seconds
+    code, out, err = _run(capsys, "--k", "65", "--seq-len", "64", "--json")
+    assert code == 0 and json.loads(out)["passed"]
+    lines = err.strip().splitlines()
+    assert lines[0].startswith("verify: a window of 65 x 4 sequences of up to 64 tokens")
+    assert [line.strip() for line in lines[1:]] == [
+        "verify: the big batch in float64",
+        "verify: the window through the engine, 65 micro-batches",
+        f"verify: the usual mistakes ({len(WRONG_WAYS)}), same data, same engine",
+        "verify: the lint",
+    ]

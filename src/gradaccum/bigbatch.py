@@ -147,7 +147,6 @@ def engine_grads(
     loss_fn: Callable,
     make_optimizer: Callable | None = None,
     seed: int = 0,
-    declared_steps: int | None = None,
     **options,
 ) -> tuple[Grads, torch.nn.Module]:
     """Run `windows` through an `Accumulator` built with `options` on a copy of `model`.
@@ -155,8 +154,6 @@ def engine_grads(
     Returns the gradient handed to the optimizer, summed in float64 over the windows' steps
     (what plain SGD would move by), and the copy after its steps. `make_optimizer(params)`
     builds the optimizer (default: SGD with lr 0, which leaves the parameters as they are).
-    With `declared_steps`, each window is begun by hand as holding that many micro-batches
-    (`begin_window(declared_steps)`) and runs only the micro-batches it has.
     """
     model = copy.deepcopy(model)
     params = [p for _, p in trainable(model)]
@@ -174,14 +171,7 @@ def engine_grads(
     acc = Accumulator(model, optimizer, **options)
     loss = seeded(loss_fn, seed)
     for window in windows:
-        if declared_steps is None:
-            acc.step(window, loss)
-            continue
-        w = acc.begin_window(declared_steps)
-        for batch in window:
-            with w.micro_step():
-                w.backward(*loss(model, batch))
-        w.finish()
+        acc.step(window, loss)
     return total, model
 
 

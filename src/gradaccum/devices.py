@@ -10,16 +10,24 @@ from contextlib import nullcontext
 
 import torch
 
+from .errors import BadInput
+
 _KINDS = ("cuda", "npu", "xpu", "mps", "cpu")
+CHOICES = "cpu, cuda, cuda:1, npu, npu:1, xpu, mps or auto"
+"""What --device takes, in the words every command's message uses."""
 
 
-def _npu_available() -> bool:
+def _npu_installed() -> bool:
     if not hasattr(torch, "npu"):
         try:  # torch_npu registers torch.npu on import
             importlib.import_module("torch_npu")
         except ImportError:
             return False
-    return hasattr(torch, "npu") and torch.npu.is_available()
+    return hasattr(torch, "npu")
+
+
+def _npu_available() -> bool:
+    return _npu_installed() and torch.npu.is_available()
 
 
 def available(kind: str) -> bool:
@@ -35,6 +43,62 @@ def available(kind: str) -> bool:
     if kind == "mps":
         return torch.backends.mps.is_available()
     raise ValueError(f"unknown device kind {kind!r}; expected one of {', '.join(_KINDS)}")
+
+
+def unavailable_reason(kind: str) -> str | None:
+    """Why a known device kind cannot be used in this process, in a user's words; None when
+    it can. Builds without the kind are told apart from machines without the device."""
+    if available(kind):
+        return None
+    build = f"this PyTorch ({torch.__version__})"
+    if kind == "cuda":
+        if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+            return f"{build} is built without CUDA; install a CUDA build of torch"
+        return "no CUDA device is visible (driver missing, or CUDA_VISIBLE_DEVICES empty?)"
+    if kind == "npu":
+        if not _npu_installed():
+            return "torch_npu is not installed (Ascend NPUs need it: pip install torch-npu)"
+        return "torch_npu finds no NPU on this machine"
+    if kind == "xpu":
+        return f"no Intel XPU is visible to {build}"
+    if not torch.backends.mps.is_built():
+        return f"{build} is built without MPS (Apple GPUs, macOS only)"
+    return "MPS is not available on this machine"
+
+
+def device_count(kind: str) -> int:
+    """Devices of an available kind this process sees (1 for cpu and mps)."""
+    if kind in ("cpu", "mps"):
+        return 1
+    return int(_module(kind).device_count())
+
+
+def check_device(text, flag: str = "--device") -> None:
+    """`text` names a device this process can use: auto, or cpu, cuda, npu, xpu, mps with an
+    optional index below the count of that kind here. BadInput naming `flag` otherwise: an
+    unknown name, `meta` (tensors without data: nothing can train there), a kind this build
+    or machine lacks, or an index past the last device. The one check every command with
+    --device runs before it touches the device."""
+    if not isinstance(text, str) or not text.strip():
+        raise BadInput(flag, repr(text), f"expected a device name: {CHOICES}")
+    if text == "auto":
+        return
+    kind, colon, index = text.partition(":")
+    if kind == "meta":
+        why = "meta tensors hold no data, nothing can train on them"
+        raise BadInput(flag, text, f"{why}; choose {CHOICES}")
+    if kind not in _KINDS:
+        raise BadInput(flag, text, f"unknown device; choose {CHOICES}")
+    if colon and not index.isdigit():
+        why = f"the index after ':' must be a whole number ({kind}:0, {kind}:1)"
+        raise BadInput(flag, text, why)
+    why = unavailable_reason(kind)
+    if why is not None:
+        raise BadInput(flag, text, why)
+    count = device_count(kind)
+    if colon and int(index) >= count:
+        have = f"{kind}:0" if count == 1 else f"{kind}:0 to {kind}:{count - 1}"
+        raise BadInput(flag, text, f"this machine has {count} {kind} device(s): {have}")
 
 
 def default_kind() -> str:

@@ -34,6 +34,18 @@ class RunFailed(RuntimeError):
     """A run that cannot go on, for a reason said in one line (exit 1, no traceback)."""
 
 
+class DiskFull(RunFailed):
+    """A write that found no room (a full disk, a quota, a file-size limit): one line naming
+    the file, `PATH: not written (No space left on device)`, exit 1. The writer leaves what
+    was at PATH before as it was."""
+
+    def __init__(self, path: str, reason: str):
+        self.path = path
+        self.reason = reason
+        """The system's words for it: "No space left on device", "Disk quota exceeded"."""
+        super().__init__(f"{path}: not written ({reason})")
+
+
 class RanksLost(RunFailed):
     """Under torchrun, the other ranks stopped answering (one died or hangs): one line, exit 1."""
 

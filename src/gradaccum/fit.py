@@ -18,10 +18,13 @@ Memory is measured, not estimated:
 
 The sizes doubling reached that fit, and the largest that fit, are then timed, with
 activation checkpointing off and on (on: from the largest size that fit without it upward,
-where checkpointing buys a larger micro-batch). The global batch comes first: when some sizes
-land within 1% of the target, only they compete. The fastest wins; among the candidates within
-measurement noise of it, the one with the lowest peak memory (the most headroom). Then
-k = round(target / (micro x seq_len x world)), at least 1, the rule `gradaccum plan` uses.
+where checkpointing buys a larger micro-batch); then the sizes whose global batch lands on
+the target (within 1%) nearest to the fastest one. The choice (`fit_search.choose`): the
+fastest of the sizes whose global batch is within --batch-tolerance (default 5%) of the
+target; among those within measurement noise of it (at most 5%), one that lands on the
+target, then the lowest peak memory (the most headroom). Then k = round(target / (micro x
+seq_len x world)), at least 1, the rule `gradaccum plan` uses. The table says when the
+choice is off the target, and how much faster than the fastest size landing on it.
 
 Under torchrun every rank probes the same sizes: each probe's out-of-memory flag is agreed
 with a MAX all-reduce, and the chosen size with a MIN (checkpointing with a MAX), so no rank
@@ -43,24 +46,27 @@ import torch
 from . import devices, sync
 from .engine import Accumulator
 from .errors import BadInput
-from .plan import accum_steps_for
+from .fit_report import choice_notes, render_table
+from .fit_search import (
+    BATCH_TOLERANCE,
+    NOISE_FLOOR,
+    Target,
+    choose,
+    largest_fitting,
+    search,
+    to_time,
+)
 from .plan.sizes import fmt_bytes, fmt_int
 from .precision import LossScaler
 
-NOISE_FLOOR = 0.03
-"""Relative tokens/s difference under which two candidates count as equally fast."""
-MAX_NOISE = 0.10
-"""The most that measurement noise may excuse: a candidate 10% slower than the fastest never
-counts as equally fast, however noisy the machine."""
+__all__ = ["BATCH_TOLERANCE", "FitResult", "choose", "find_micro_batch", "largest_fitting"]
+__all__ += ["choice_notes", "measure_step", "render_table", "to_time"]
 
 TIMED_SECONDS = 0.6
 """Seconds of timed steps per candidate (at least MIN_TIMED_STEPS steps, at most
 MAX_TIMED_STEPS)."""
 MIN_TIMED_STEPS = 2
 MAX_TIMED_STEPS = 8
-
-BISECT_RESOLUTION = 16
-"""Bisection stops once the gap between fitting and not is at most 1/16 of the size."""
 
 
 def out_of_memory_errors() -> tuple[type[BaseException], ...]:
@@ -156,6 +162,12 @@ class FitResult:
     """The memory bound of the search, when there was one."""
     candidates: list[Candidate] = field(default_factory=list)
     """Every size probed, in the order probed."""
+    batch_tolerance: float = BATCH_TOLERANCE
+    """How far from the target (a fraction) the global batch was allowed to land for speed."""
+
+    @property
+    def target(self) -> Target:
+        return Target(self.target_tokens, self.seq_len * self.world_size)
 
     @property
     def global_batch_tokens(self) -> int:
@@ -177,6 +189,8 @@ class FitResult:
             **_measured(self),
             "accum_steps": self.accum_steps,
             "global_batch_tokens": self.global_batch_tokens,
+            "target_deviation": self.target_deviation,
+            "batch_tolerance": self.batch_tolerance,
             "candidates": [c.to_dict() for c in self.candidates],
         }
 
@@ -449,87 +463,6 @@ class _Prober:
 # ---- the search ----------------------------------------------------------------------------
 
 
-def largest_fitting(fits: Callable[[int], bool], cap: int, start: int = 1, stop=None) -> int:
-    """The largest size <= cap that fits: double from `start` until one does not fit (or cap is
-    reached), then bisect between the last that fit and the first that did not, to within
-    1/BISECT_RESOLUTION of the size. 0 if none of the sizes tried fits. `stop()` true ends the search early with the best so far."""
-    good, bad, size = 0, None, min(start, cap)
-    while bad is None:
-        if good and stop is not None and stop():
-            return good
-        if fits(size):
-            good = size
-            if size == cap:
-                return good
-            size = min(2 * size, cap)
-        else:
-            bad = size
-    while bad - good > max(1, good // BISECT_RESOLUTION):
-        if good and stop is not None and stop():
-            break
-        mid = (good + bad) // 2
-        if fits(mid):
-            good = mid
-        else:
-            bad = mid
-    return good
-
-
-def _search(prober: _Prober, cap: int, try_checkpointing: bool, stop) -> list[Candidate]:
-    """Probe without checkpointing from 1 up, then with it from the largest that fit up."""
-    tried: list[Candidate] = []
-
-    def fits(checkpointing: bool) -> Callable[[int], bool]:
-        def probe(micro_batch: int) -> bool:
-            tried.append(prober.probe(micro_batch, checkpointing))
-            return tried[-1].fits
-
-        return probe
-
-    largest = largest_fitting(fits(False), cap, 1, stop)
-    if try_checkpointing and set_checkpointing(prober.model, False):
-        if largest or not stop():
-            largest_fitting(fits(True), cap, max(1, largest), stop)
-    return tried
-
-
-def choose(candidates: list[Candidate], lands=None) -> Candidate | None:
-    """The candidate to train with, or None when none fits.
-
-    The global batch comes first: when some timed sizes land within 1% of the target
-    (`lands(micro_batch)`), only they compete. Of those, the fastest; among the ones within
-    its measurement noise (at most MAX_NOISE) of it, the lowest peak memory (the most
-    headroom). With no size timed: the largest that fits."""
-    timed = [c for c in candidates if c.fits and c.tokens_per_s]
-    if not timed:
-        fitting = [c for c in candidates if c.fits]
-        return max(fitting, key=lambda c: (c.micro_batch, not c.checkpointing), default=None)
-    landing = [c for c in timed if lands is not None and lands(c.micro_batch)]
-    pool = landing or timed
-    best = max(pool, key=lambda c: c.tokens_per_s)
-    tolerance = min(best.noise, MAX_NOISE)
-    close = [c for c in pool if c.tokens_per_s >= best.tokens_per_s * (1 - tolerance)]
-    return min(close, key=lambda c: (c.peak_memory_bytes, -c.tokens_per_s))
-
-
-def to_time(candidates: list[Candidate]) -> list[Candidate]:
-    """The candidates worth timing: per checkpointing setting, every size doubling reached
-    that fit, and the largest that fit (not the sizes bisection tried on the way). The
-    largest first, so that under a time limit the likeliest winners are timed."""
-    chosen = []
-    for checkpointing in (False, True):
-        fit = [c for c in candidates if c.fits and c.checkpointing == checkpointing]
-        top = max((c.micro_batch for c in fit), default=0)
-        start = min((c.micro_batch for c in fit), default=0)
-        doubled = {start << i for i in range(64) if start << i <= top}
-        seen = set()
-        for c in fit:
-            if (c.micro_batch in doubled or c.micro_batch == top) and c.micro_batch not in seen:
-                seen.add(c.micro_batch)
-                chosen.append(c)
-    return sorted(chosen, key=lambda c: (-c.micro_batch, c.checkpointing))
-
-
 def _nothing_fits(candidates: list[Candidate], budget: int | None, seq_len: int, device):
     ones = [c for c in candidates if c.micro_batch == 1 and c.memory is not None]
     one = min(ones, key=lambda c: c.memory.peak, default=None)
@@ -548,10 +481,15 @@ def _nothing_fits(candidates: list[Candidate], budget: int | None, seq_len: int,
     return NothingFits(flag, value, why, needs)
 
 
+def _agree_size(micro_batch: int, checkpointing: bool) -> tuple[int, bool]:
+    """One size on every rank: the smallest micro-batch, checkpointing if any rank has it."""
+    micro = -sync.max_over_ranks(-micro_batch)
+    return micro, bool(sync.max_over_ranks(int(checkpointing)))
+
+
 def _agreed(chosen: Candidate, candidates: list[Candidate]) -> Candidate:
     """The same choice on every rank: the smallest micro-batch, checkpointing if any rank."""
-    micro = -sync.max_over_ranks(-chosen.micro_batch)
-    checkpointing = bool(sync.max_over_ranks(int(chosen.checkpointing)))
+    micro, checkpointing = _agree_size(chosen.micro_batch, chosen.checkpointing)
     same = [c for c in candidates if (c.micro_batch, c.checkpointing) == (micro, checkpointing)]
     return same[0] if same else Candidate(micro, checkpointing, True)
 
@@ -587,6 +525,8 @@ def find_micro_batch(
     try_checkpointing: bool = True,
     max_seconds: float | None = None,
     make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] | None = None,
+    batch_tolerance: float = BATCH_TOLERANCE,
+    time_candidate: Callable[[Candidate], None] | None = None,
 ) -> FitResult:
     """Measure which micro-batch fits and runs fastest; k keeps `tokens_per_step`.
 
@@ -599,6 +539,10 @@ def find_micro_batch(
     memory_budget: bytes; a size whose measured peak is above it counts as out of memory.
     max_seconds: ends the search and the timing early (the best found so far is kept).
     make_optimizer(model): the optimizer whose state is measured; AdamW by default.
+    batch_tolerance: how far (a fraction) the global batch may land from the target when a
+      size that does is faster (`fit_search.choose`).
+    time_candidate(c): sets c.tokens_per_s and c.noise; None times real training steps (a
+      test passes a function of the size, so that what it checks does not depend on timing).
     Raises BadInput when the target is below one sequence per rank, NothingFits (a BadInput)
     when micro-batch 1 does not fit.
     """
@@ -620,23 +564,16 @@ def find_micro_batch(
         model, make_batch, loss_fn, precision, make_optimizer or _default_optimizer,
         memory_budget, seq_len,
     )  # fmt: skip
+    target = Target(tokens_per_step, seq_len * world_size)
     with _restored(model, prober):
-        candidates = _search(prober, cap, try_checkpointing, stop)
-        for cand in to_time(candidates):
-            if stop():
-                break
-            prober.time(cand)
-    per_micro = seq_len * world_size
-
-    def lands(micro_batch: int) -> bool:
-        k = accum_steps_for(tokens_per_step, micro_batch * per_micro)
-        return abs(micro_batch * per_micro * k - tokens_per_step) <= 0.01 * tokens_per_step
-
-    chosen = choose(candidates, lands)
+        checkpointing = try_checkpointing and set_checkpointing(model, False)
+        timer = time_candidate or prober.time
+        candidates = search(prober.probe, timer, target, cap, checkpointing, stop, _agree_size)
+    chosen = choose(candidates, target, batch_tolerance)
     if chosen is None:
         raise _nothing_fits(candidates, memory_budget, seq_len, _device_of(model))
     chosen = _agreed(chosen, candidates)
-    k = accum_steps_for(tokens_per_step, chosen.micro_batch * per_micro)
+    k = target.accum_steps(chosen.micro_batch)
     return FitResult(
         micro_batch=chosen.micro_batch,
         accum_steps=k,
@@ -648,57 +585,12 @@ def find_micro_batch(
         target_tokens=tokens_per_step,
         budget_bytes=memory_budget,
         candidates=candidates,
+        batch_tolerance=batch_tolerance,
     )
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
-
-
-# ---- for people ----------------------------------------------------------------------------
-
-
-def render_table(result: FitResult) -> str:
-    """The candidates as a table, the choice, and the global batch k gives."""
-    import io
-
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title="micro-batch candidates (measured)", title_justify="left")
-    for name in ("micro-batch", "tokens", "checkpointing", "fits", "tokens/s", "peak memory", ""):
-        table.add_column(name, justify="left" if name in ("checkpointing", "fits") else "right")
-    for c in result.candidates:
-        mark = ""
-        if (c.micro_batch, c.checkpointing) == (result.micro_batch, result.checkpointing):
-            mark = "<- chosen"
-        table.add_row(
-            str(c.micro_batch),
-            fmt_int(c.micro_batch * result.seq_len),
-            "on" if c.checkpointing else "off",
-            "yes" if c.fits else f"no ({c.why})",
-            "-" if c.tokens_per_s is None else fmt_int(round(c.tokens_per_s)),
-            "-" if c.peak_memory_bytes is None else fmt_bytes(c.peak_memory_bytes),
-            mark,
-        )
-    out = io.StringIO()
-    Console(file=out, width=100, color_system=None, emoji=False).print(table)
-    lines = [out.getvalue().rstrip("\n")]
-    if result.budget_bytes is not None:
-        source = result.memory.source if result.memory else "measured"
-        lines.append(f"memory budget {fmt_bytes(result.budget_bytes)} ({source})")
-    ckpt = "on" if result.checkpointing else "off"
-    lines.append(
-        f"chosen: micro-batch {result.micro_batch} ({fmt_int(result.micro_batch * result.seq_len)}"
-        f" tokens), activation checkpointing {ckpt}"
-    )
-    lines.append(
-        f"k = {result.accum_steps}: global batch {fmt_int(result.global_batch_tokens)} tokens "
-        f"= {result.micro_batch} x {result.seq_len} x {result.accum_steps} x "
-        f"{result.world_size} rank(s), {result.target_deviation:+.2%} from the target "
-        f"{fmt_int(result.target_tokens)}"
-    )
-    return "\n".join(lines) + "\n"
 
 
 def measure_step(

@@ -180,7 +180,9 @@ def study_table(points: Sequence[StudyPoint]) -> str:
 
 def write_plot(points: Sequence[StudyPoint], path: str, title: str = "") -> bool:
     """Relative error against k, one line per mode, log-log, written atomically as a PNG.
-    Returns False, writing nothing, when matplotlib is not installed (an optional extra)."""
+    Returns False, writing nothing, when matplotlib is not installed (an optional extra).
+    No room on the disk raises DiskFull (`PATH: not written (No space left on device)`, one
+    line and exit 1 on the command line), leaving what was at `path` as it was."""
     try:
         from matplotlib.figure import Figure
     except ImportError:

@@ -154,6 +154,7 @@ def verify(
     tolerance: float | None = None,
     wrong_ways: bool = True,
     seed: int = 0,
+    progress: Callable[[str], None] | None = None,
 ) -> VerifyReport:
     """Check that one window of `micro_batches` through `Accumulator` gives the gradient of
     the same data as one big batch, on copies of `model`.
@@ -165,8 +166,10 @@ def verify(
     big_batch / concat: the whole batch, or how to form it, where `concat_batches` cannot.
     tolerance: largest relative error that passes (default `TOLERANCES[precision]`).
     wrong_ways: also run the usual mistakes (`WRONG_WAYS`) for contrast.
+    progress: called with a few words before each part of the work (for long windows).
     Raises BadInput on arguments that cannot work.
     """
+    say = progress or (lambda words: None)
     micro_batches = _check(micro_batches, precision, tolerance)
     tolerance = TOLERANCES[precision] if tolerance is None else tolerance
     devices = [p.device for p in model.parameters() if p.device.type != "cpu"][:1]
@@ -174,11 +177,13 @@ def verify(
         prepared = copy.deepcopy(model)
         quieted = quiet_rng(prepared)
         whole = _whole_batch(micro_batches, big_batch, concat)
+        say("the big batch in float64")
         ref = reference_grads(prepared, whole, loss_fn, seed)
         options = {"precision": precision, "count_tokens": count_tokens}
         if any(is_low_precision(p.dtype) for _, p in trainable(prepared)):
             options["master_weights"] = True  # the fp32 buffer itself reaches the optimizer
         make_optimizer = optimizer or _adamw
+        say(f"the window through the engine, {len(micro_batches)} micro-batches")
         got, after = engine_grads(
             prepared, [micro_batches], loss_fn, make_optimizer, seed, **options
         )
@@ -195,7 +200,10 @@ def verify(
             make_optimizer,
             ref_after,
         )
+        if wrong_ways:
+            say(f"the usual mistakes ({len(WRONG_WAYS)}), same data, same engine")
         ways = _wrong_ways(context, big_batch) if wrong_ways else {}
+        say("the lint")
         findings = lint(prepared, micro_batches, whole, loss_fn, ref, quieted, seed)
     return _report(params, ref, precision, tolerance, len(micro_batches), ways, findings, quieted)
 
@@ -367,18 +375,25 @@ def _step_every(c: _Context) -> float | None:
 
 
 def _short_window(c: _Context) -> float | None:
+    """The last window holds k/2 micro-batches and each one's mean is still divided by k
+    (what a loop that divides by its configured k does): the engine divides each mean by
+    the k/2 it ran, and the loss here is scaled by (k/2)/k to make that a division by k."""
     k = len(c.micro_batches)
     short = c.micro_batches[: k // 2]
     ref = reference_grads(c.model, (c.concat or concat_batches)(short), c.loss_fn, c.seed)
+
+    def over_k(model, batch):
+        loss_sum, n = c.loss_fn(model, batch)
+        return loss_sum * len(short) / k, n
+
     result = _try(
         lambda: engine_grads(
             c.model,
             [short],
-            c.loss_fn,
+            over_k,
             seed=c.seed,
             count_tokens=c.count_tokens,
             normalize="micro_batch_mean",
-            declared_steps=k,
         )
     )
     return _error(result, ref.grads)

@@ -1,5 +1,6 @@
 """What the distributed tests share: per-rank ragged data, the global windows it forms, and
-the single-process reference that takes each global window as one batch (no engine).
+the single-process reference that takes each global window as one batch (no engine), at the
+ranks' parameters of that window.
 
 The process harness and the gradient recorders are `gradaccum.testing`'s, re-exported here.
 """
@@ -7,7 +8,6 @@ The process harness and the gradient recorders are `gradaccum.testing`'s, re-exp
 from __future__ import annotations
 
 from contextlib import contextmanager
-from functools import lru_cache
 
 import torch
 from reference import big_batch, big_batch_grads, make_gpt, ragged_batches, token_loss
@@ -16,7 +16,10 @@ from gradaccum.testing import (  # noqa: F401 - re-exported for the tests
     adamw,
     full,
     record_grads,
+    replay_adamw,
     run_ranks,
+    step_errors,
+    step_tolerance,
     valid_tokens,
 )
 
@@ -38,37 +41,37 @@ def global_windows(counts: tuple[int, ...], k: int = K, seed: int = 100) -> list
     return out
 
 
-@lru_cache(maxsize=4)
-def reference_run(counts: tuple[int, ...]) -> dict:
-    """One process, one batch per global window of ranks holding `counts` micro-batches:
-    loss summed over tokens / tokens, AdamW. Cached: several tests share a run; read only."""
-    windows = global_windows(counts)
+def same_weights_reference(counts: tuple[int, ...], before: list[list[torch.Tensor]]) -> dict:
+    """One process, one batch per global window of ranks holding `counts` micro-batches, each
+    window at the parameters the ranks held before it (`before`, in the model's order): the
+    big-batch gradient and the loss per token, no engine.
+
+    Each window from the ranks' own parameters, not along a trajectory of its own: AdamW
+    divides by the root of each element's second moment, so a gradient element that is zero
+    up to rounding (an attention key bias, which softmax cancels) steps by up to lr either way
+    on its last bits, and two trajectories that agree on every gradient to rounding part by
+    about 2 lr per step (`gradaccum.testing.adamw_drift_bound`)."""
     model = make_gpt()
-    opt = adamw(model.parameters())
     grads, losses = [], []
-    for window in windows:
+    for window, start in zip(global_windows(counts), before, strict=True):
         with torch.no_grad():
+            for p, value in zip(model.parameters(), start, strict=True):
+                p.copy_(value)
             loss_sum, n = token_loss(model, big_batch(window))
         losses.append(loss_sum.item() / n.item())
         grads.append(big_batch_grads(model, window))
-        for p, g in zip(model.parameters(), grads[-1], strict=True):
-            p.grad = g
-        opt.step()
-    return {"params": dict(model.named_parameters()), "grads": grads, "losses": losses}
+    return {"grads": grads, "losses": losses}
 
 
-def comparable(params: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-    """Parameters less the attention key bias: its true gradient is zero (softmax ignores a
-    constant added to every key's score), so AdamW turns the rounding noise of any two ways of
-    summing into full-size steps of arbitrary sign."""
-    out = []
-    for name, p in sorted(params.items()):
-        if name.endswith("c_attn.bias"):
-            q, _, v = p.detach().chunk(3)
-            out += [q, v]
-        else:
-            out.append(p.detach())
-    return out
+def assert_steps_are_adamw(got: dict) -> None:
+    """The ranks' parameters after each window are one AdamW step (`adamw`) from their
+    parameters before it with the gradient they handed over: within the fp32 rounding of
+    AdamW's update, against the same step in float64 (`gradaccum.testing.step_tolerance`)."""
+    before, last = got["before"], list(got["params"].values())
+    replayed = replay_adamw(before, got["grads"])
+    settings = adamw([torch.zeros(1, requires_grad=True)]).defaults
+    tolerance = step_tolerance(len(before), settings["lr"], settings["betas"], torch.float32)
+    assert step_errors(before, last, replayed) <= tolerance
 
 
 @contextmanager

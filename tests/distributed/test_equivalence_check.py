@@ -1,26 +1,44 @@
 """`gradaccum.testing.check_equivalence`, the harness behind `gradaccum verify --world-size N`:
-it passes on a correct distributed window and fails on one that divides by k."""
+it passes on a correct distributed window and fails on the usual mistakes (each micro-batch's
+mean divided by k, an optimizer step after every micro-batch), under DDP and FSDP2, all in one
+start of 2 ranks."""
 
 from __future__ import annotations
 
 import pytest
 from reference import make_gpt
 
-from gradaccum.testing import check_equivalence, rank_batches
+from gradaccum.testing import EquivalenceSetup, check_equivalence, check_equivalences, rank_batches
 
 from .ranks import TIMEOUT_S
 
 pytestmark = pytest.mark.slow
+
+MISTAKES = {
+    "mean_over_k": {"normalize": "micro_batch_mean"},
+    "step_every_micro_batch": {"step_every_micro_batch": True},
+}
 
 
 def _numel(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def test_ddp_window_with_a_short_rank_passes():
-    report = check_equivalence(make_gpt, world_size=2, accum_steps=4, steps=3, timeout_s=TIMEOUT_S)
+@pytest.fixture(scope="module")
+def reports() -> dict:
+    setups = {("right", "ddp"): EquivalenceSetup(world_size=2, accum_steps=4, steps=3)}
+    for wrapper in ("ddp", "fsdp2"):
+        for name, how in MISTAKES.items():
+            setups[name, wrapper] = EquivalenceSetup(world_size=2, wrapper=wrapper, **how)
+    got = check_equivalences(make_gpt, list(setups.values()), timeout_s=2 * TIMEOUT_S)
+    return dict(zip(setups, got, strict=True))
+
+
+def test_ddp_window_with_a_short_rank_passes(reports):
+    report = reports["right", "ddp"]
     assert report.passed, report.to_dict()
-    assert report.grad_rel_error <= 1e-5
+    assert report.grad_rel_error <= 1e-5 and report.loss_rel_error <= 1e-5
+    assert report.step_error <= report.step_tolerance == 1e-5  # 3 steps (test_references)
     # tokens counted here, from the data alone: window i holds rank r's micro-batches
     # 4i .. 4i + 3 (rank 1 holds 7: one short of window 2, none in window 3)
     data = [rank_batches(report.setup, r) for r in range(2)]
@@ -30,26 +48,27 @@ def test_ddp_window_with_a_short_rank_passes():
     ]
     assert report.tokens == want
     assert [len(d) for d in data] == [12, 7]
+    assert report.steps == report.windows == 3
     # k = 4 micro-batches, one all-reduce of every fp32 gradient per window
     assert report.grad_collectives == [1, 1, 1]
     assert report.grad_bytes == [4 * _numel(make_gpt(0))] * 3
-    # only the attention key biases (32 of each block's 96 c_attn biases) are left out
-    assert report.excluded == {f"blocks.{i}.attn.c_attn.bias": 32 for i in range(2)}
 
 
-def test_dividing_by_k_is_caught():
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
+def test_dividing_by_k_is_caught(reports, wrapper):
     # micro-batches of different token counts: the mean of micro-batch means is not the
     # token mean, and the check must say so
-    report = check_equivalence(
-        make_gpt,
-        world_size=1,
-        accum_steps=4,
-        steps=1,
-        normalize="micro_batch_mean",
-        timeout_s=TIMEOUT_S,
-    )
+    report = reports["mean_over_k", wrapper]
     assert not report.passed
-    assert report.grad_rel_error > 1e-2
+    assert report.grad_rel_error > 1e-2 and report.loss_rel_error > 1e-2
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
+def test_stepping_every_micro_batch_is_caught(reports, wrapper):
+    report = reports["step_every_micro_batch", wrapper]
+    assert not report.passed
+    assert (report.steps, report.windows) == (4 * 3, 3)
+    assert "12 optimizer steps for 3 windows" in report.notes[0]
 
 
 def test_bad_arguments_name_the_value():
@@ -59,3 +78,5 @@ def test_bad_arguments_name_the_value():
         check_equivalence(make_gpt, wrapper="zero3")
     with pytest.raises(ValueError, match="accum_steps 0"):
         check_equivalence(make_gpt, accum_steps=0)
+    with pytest.raises(ValueError, match=r"world sizes \[1, 2\]"):
+        check_equivalences(make_gpt, [EquivalenceSetup(world_size=w) for w in (1, 2)])

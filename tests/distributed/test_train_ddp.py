@@ -2,7 +2,8 @@
 
 Two ranks with micro-batch 4 read, at each micro-step, the same 8 sequences one rank with
 micro-batch 8 reads (the data order is by global batch), so with the same global batch the
-losses and the final parameters agree to fp32 rounding.
+losses agree to fp32 rounding, and the final parameters within what AdamW makes of that
+rounding (`gradaccum.testing.adamw_drift_bound`).
 """
 
 import json
@@ -17,6 +18,8 @@ import numpy as np
 import pytest
 import torch
 
+from gradaccum.testing import adamw_drift_bound
+from gradaccum.train import checkpoint
 from gradaccum.train.corpus import MarkovCorpus
 from gradaccum.train.loop import TrainConfig, train
 from gradaccum.train.metrics import read_metrics
@@ -24,8 +27,12 @@ from gradaccum.train.metrics import read_metrics
 STEPS = 4
 
 
+def records(out) -> list[dict]:
+    return [r for r in read_metrics(os.path.join(out, "metrics.jsonl")) if "loss" in r]
+
+
 def losses(out) -> list[float]:
-    return [r["loss"] for r in read_metrics(os.path.join(out, "metrics.jsonl")) if "loss" in r]
+    return [r["loss"] for r in records(out)]
 
 
 COMMON = [
@@ -99,12 +106,20 @@ def test_two_gloo_ranks_match_one_process(tmp_path, two_ranks):
     assert one["tokens_per_step"] == summary["tokens_per_step"]
     assert losses(ddp_out) == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
     assert summary["tokens"] == one["tokens"] == STEPS * 512
+    two_records, one_records = records(ddp_out), records(tmp_path / "one")
+    # step 1 starts from the same initial weights: its window gradient agrees to rounding
+    assert two_records[0]["grad_norm"] == pytest.approx(one_records[0]["grad_norm"], rel=1e-5)
     a = torch.load(ddp_out / "model.pt", weights_only=True)
     b = torch.load(tmp_path / "one" / "model.pt", weights_only=True)
-    # Adam divides by sqrt(v): where a gradient is nearly 0, fp32 rounding of the all-reduce
-    # can move an update by a few percent of lr (3e-3), hence atol 1e-4 on the weights.
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-4)
+    # Adam divides by sqrt(v): where a gradient is zero up to rounding, fp32 rounding of the
+    # all-reduce sets the direction of a step of up to lr, so after several steps the weights
+    # agree only within adamw_drift_bound (about 2 lr per step); the losses above stay tight
+    # because such weights barely move the loss.
+    state = checkpoint.load(checkpoint.find_latest(str(ddp_out))).trainer_state
+    betas = tuple(state["optimizer"]["param_groups"][0]["betas"])
+    bound = adamw_drift_bound([r["lr"] for r in two_records], betas)
+    for key in a:  # plus a few fp32 roundings of the weights themselves per step
+        torch.testing.assert_close(a[key], b[key], rtol=2**-20, atol=bound)
 
 
 @pytest.mark.slow

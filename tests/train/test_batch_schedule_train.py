@@ -61,6 +61,23 @@ def test_k_and_the_lr_follow_a_step_wise_schedule(tmp_path, data):
     assert summary["tokens"] == 2816 and summary["tokens_per_step"] == 1024
 
 
+def test_the_schedule_table_shows_the_lr_rule_training_applies(tmp_path, data, capsys):
+    # 256 then 1024 tokens per step under sqrt: phase 1 takes sqrt(256 / 1024) = 0.5 of
+    # --lr 1e-3 (the LR belongs to the last batch), in the table as in the run.
+    out = tmp_path / "run"
+    kw = dict(batch_schedule="0:256,768:1024", max_tokens=768 + 2048, lr=1e-3)
+    train(config(out, data, warmup_steps=0, schedule="constant", lr_rule="sqrt", **kw))
+    said = capsys.readouterr().out
+    title = next(line for line in said.splitlines() if line.startswith("batch schedule"))
+    assert title.rstrip().endswith("LR rule sqrt")
+    rows = [line.split("│")[1:-1] for line in said.splitlines() if line.startswith("│ 1 ")]
+    rows += [line.split("│")[1:-1] for line in said.splitlines() if line.startswith("│ 2 ")]
+    phase = {int(cells[0]): [c.strip() for c in cells] for cells in rows if len(cells) == 10}
+    assert phase[1][8:] == ["0.5", "0.0005"] and phase[2][8:] == ["1", "0.001"]
+    lrs = [r["lr"] for r in train_records(out)]
+    assert lrs == pytest.approx([5e-4] * 3 + [1e-3] * 2, rel=1e-12)  # what the table said
+
+
 def test_the_lr_schedule_runs_over_tokens_seen(tmp_path, data):
     # Linear decay to 0.1 of the peak over 4096 tokens, no warmup, rule none: the lr of the
     # window after t tokens seen is lr * (1 - 0.9 t / 4096), whatever the steps' sizes.
@@ -154,6 +171,11 @@ def test_auto_grows_k_toward_the_critical_batch_within_its_bounds(tmp_path, data
         (["--min-tokens-per-step", "1k"], "--min-tokens-per-step 1000: needs --batch-schedule"),
         (["--batch-schedule", "0:1k", "--lr-rule", "cube"], "--lr-rule cube: choose one of"),
         (["--lr-rule", "sqrt"], "--lr-rule sqrt: needs --batch-schedule"),
+        (  # the point named, not a --tokens-per-step that was never given
+            ["--batch-schedule", "0:8"],
+            "--batch-schedule 0:8: its smallest target, 8 tokens per step, is below one "
+            "sequence of --seq-len 16",
+        ),
         (["--batch-double-every", "5"], "--batch-double-every 5: needs --batch-schedule auto"),
         (
             ["--batch-schedule", "auto", "--min-tokens-per-step", "64"],

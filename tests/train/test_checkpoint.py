@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from gradaccum.errors import DiskFull
 from gradaccum.train import checkpoint
 
 
@@ -166,3 +167,41 @@ def test_run_files_get_the_permissions_of_a_plain_open(tmp_path):
     assert (tmp_path / "train.toml").stat().st_mode & 0o777 == 0o644
     assert (tmp_path / "checkpoints" / "latest").stat().st_mode & 0o777 == 0o644
     assert (tmp_path / "checkpoints" / "step-00000001").stat().st_mode & 0o777 == 0o755
+
+
+def test_a_checkpoint_without_its_manifest_gives_way_to_an_older_verified_one(tmp_path):
+    for step in (2, 4):
+        checkpoint.save(str(tmp_path), step, *state(step), run_config={"lr": 0.1}, keep=2)
+    newest = tmp_path / "checkpoints" / "step-00000004"
+    os.unlink(newest / "manifest.json")
+    path, skipped = checkpoint.newest_intact(str(tmp_path))
+    assert path.endswith("step-00000002") and checkpoint.verifiable(path)
+    assert skipped == ["step-00000004: no manifest.json, so it cannot be verified"]
+    # with no verified one left, the newest that loads, and it says it is not verified
+    os.unlink(tmp_path / "checkpoints" / "step-00000002" / "manifest.json")
+    path, skipped = checkpoint.newest_intact(str(tmp_path))
+    assert path == str(newest) and not checkpoint.verifiable(path) and skipped == []
+    # one that neither has a manifest nor loads is damage, as before
+    (newest / "trainer.pt").write_bytes(b"")
+    path, skipped = checkpoint.newest_intact(str(tmp_path))
+    assert path.endswith("step-00000002") and skipped[0].startswith("step-00000004: does not load")
+
+
+def test_a_save_that_fails_after_its_folder_is_in_place_leaves_the_previous_current(
+    tmp_path, monkeypatch
+):
+    checkpoint.save(str(tmp_path), 1, *state(1))
+    real = checkpoint.write_text_atomic
+
+    def latest_finds_no_room(path, text):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "write_text_atomic", latest_finds_no_room)
+    with pytest.raises(DiskFull) as raised:
+        checkpoint.save(str(tmp_path), 2, *state(2))
+    monkeypatch.setattr(checkpoint, "write_text_atomic", real)
+    assert str(raised.value) == (
+        f"{tmp_path}/checkpoints/step-00000002: not written (No space left on device)"
+    )
+    # step 2's folder was renamed into place, but never made current: it is gone again
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step-00000001"]

@@ -176,6 +176,30 @@ def test_bad_files_name_the_flag(tmp_path, name, make, match):
         load_tokens(str(path), seq_len=16)
 
 
+def _cut_npy(path):
+    np.save(path, np.arange(1000, dtype=np.uint16))
+    path.write_bytes(path.read_bytes()[:500])  # the header whole, the ids cut off
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda p: p.write_text("hello world\n" * 20), "not a NumPy array file; expected a 1-D"),
+        (lambda p: p.write_bytes(bytes(range(256)) * 4), "not a NumPy array file; expected"),
+        (lambda p: np.save(p, np.array([{"a": 1}], dtype=object)), "holds Python objects"),
+        (_cut_npy, "a damaged or cut-off NumPy array file"),
+    ],
+    ids=["text", "bytes", "objects", "cut"],
+)
+def test_a_npy_that_is_not_token_ids_says_what_it_is(tmp_path, make, match):
+    path = tmp_path / "t.npy"
+    make(path)
+    with pytest.raises(BadInput, match=rf"^--data {path}: {match}") as err:
+        load_tokens(str(path), seq_len=16)
+    assert "pickle" not in str(err.value) and "\n" not in str(err.value)
+    assert "uint16 or uint32 token ids" in str(err.value)
+
+
 def test_ids_outside_the_model_vocabulary_are_refused(tmp_path):
     path = tmp_path / "t.bin"
     np.array([1, 2, 3, 500] * 50, np.uint16).tofile(path)

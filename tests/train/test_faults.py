@@ -2,6 +2,7 @@
 but reasonable command lines. Each refusal is one line with exit code 2; each survival is
 checked against an uninterrupted run."""
 
+import json
 import os
 import signal
 import subprocess
@@ -12,7 +13,8 @@ import numpy as np
 import pytest
 
 from gradaccum.cli import main
-from gradaccum.train import checkpoint
+from gradaccum.errors import DiskFull
+from gradaccum.train import checkpoint, tensorboard
 from gradaccum.train import loop as train_loop
 from gradaccum.train.config import TrainConfig
 from gradaccum.train.corpus import MarkovCorpus
@@ -226,3 +228,91 @@ def test_bf16_on_cpu_says_once_that_it_is_slow(tmp_path, data, capsys):
     assert main(argv) == 0
     said = capsys.readouterr().out
     assert said.count("bf16 on CPU is usually several times slower than fp32") == 1
+
+
+# ---- issue 17 item 9: no matplotlib --------------------------------------------------------
+
+
+def test_without_matplotlib_the_closing_line_says_loss_png_was_not_written(
+    tmp_path, data, capsys, monkeypatch
+):
+    out = tmp_path / "run"
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails as if absent
+    assert main(cli(out, data, "--max-steps", "1")) == 0
+    closing = capsys.readouterr().out.strip().splitlines()[-1]
+    assert closing == (
+        f"out {out}: metrics.jsonl, train.toml, model.pt, config.json, checkpoints/; "
+        "loss.png not written (matplotlib not installed: pip install 'gradaccum[plot]')"
+    )
+    assert not (out / "loss.png").exists()
+    assert main(cli(tmp_path / "json", data, "--max-steps", "1", "--json")) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert "loss.png" not in summary["files"] and "loss.png" in summary["not_written"]
+
+
+# ---- issue 17 item 10: a checkpoint without its manifest -------------------------------------
+
+
+@pytest.mark.slow
+def test_a_checkpoint_without_its_manifest_is_named_and_an_older_intact_one_preferred(
+    tmp_path, data, capsys
+):
+    out = tmp_path / "run"
+    argv = cli(out, data, "--max-steps", "4", "--save-every", "2", "--keep-checkpoints", "2")
+    assert main(argv) == 0
+    os.unlink(out / "checkpoints" / "step-00000004" / "manifest.json")
+    capsys.readouterr()
+    assert main(["train", "--resume", "--out", str(out), "--max-steps", "5"]) == 0
+    said = capsys.readouterr().out
+    assert (
+        "checkpoint step-00000004: no manifest.json, so it cannot be verified: skipped, "
+        "resuming from step-00000002\n" in said
+    )
+    assert ", resuming at step 2\n" in said
+    assert [r["step"] for r in records(out) if "loss" in r] == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.slow
+def test_the_only_checkpoint_without_its_manifest_is_resumed_saying_so(tmp_path, data, capsys):
+    out = tmp_path / "run"
+    assert main(cli(out, data, "--max-steps", "2")) == 0
+    os.unlink(out / "checkpoints" / "step-00000002" / "manifest.json")
+    capsys.readouterr()
+    assert main(["train", "--resume", "--out", str(out), "--max-steps", "3"]) == 0
+    said = capsys.readouterr().out
+    assert (
+        "checkpoint step-00000002: no manifest.json, so it cannot be verified; resuming from it "
+        "since it loads and no verified checkpoint is left\n" in said
+    )
+    assert ", resuming at step 2\n" in said
+
+
+# ---- issue 17 item 1: no room for TensorBoard's file mid-run ----------------------------------
+
+
+def test_no_room_for_tensorboard_turns_it_off_in_one_line_and_the_run_goes_on(
+    tmp_path, data, capsys, monkeypatch
+):
+    pytest.importorskip("tensorboard")
+    real = tensorboard.TensorBoardWriter.write
+
+    def full_from_step_3(self, record):
+        if record["step"] >= 3:  # what append_whole raises when the disk has no room
+            raise DiskFull(self.path, "No space left on device")
+        real(self, record)
+
+    monkeypatch.setattr(tensorboard.TensorBoardWriter, "write", full_from_step_3)
+    out = tmp_path / "run"
+    assert main(cli(out, data, "--max-steps", "4", "--tensorboard")) == 0
+    said = capsys.readouterr().out
+    notes = [line for line in said.splitlines() if "TensorBoard is off" in line]
+    assert len(notes) == 1 and notes[0].endswith(
+        "not written (No space left on device); TensorBoard is off from step 3, "
+        "metrics.jsonl goes on holding every field"
+    )
+    assert [r["step"] for r in records(out) if "loss" in r] == [1, 2, 3, 4]
+    assert (
+        said.strip()
+        .splitlines()[-1]
+        .endswith("; tensorboard/ not written (past step 2: No space left on device)")
+    )

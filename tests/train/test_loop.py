@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from gradaccum.testing import adamw_drift_bound
 from gradaccum.train.corpus import MarkovCorpus
 from gradaccum.train.loop import TrainConfig, train
 from gradaccum.train.metrics import read_metrics, without_timing
@@ -93,8 +94,12 @@ def test_accumulated_run_equals_the_big_batch_run(tmp_path, markov_npy):
     lb = [r["loss"] for r in read_metrics(tmp_path / "big" / "metrics.jsonl") if "loss" in r]
     assert la == pytest.approx(lb, rel=1e-5)
     pa, pb = params(tmp_path / "acc"), params(tmp_path / "big")
-    for k in pa:  # Adam turns fp32 rounding of tiny gradients into up to ~lr/30 (see DDP test)
-        torch.testing.assert_close(pa[k], pb[k], rtol=1e-4, atol=1e-4)
+    # Adam turns fp32 rounding of a gradient that is zero up to rounding into a step of up
+    # to lr either way: after several steps weights agree only within adamw_drift_bound
+    lrs = [r["lr"] for r in read_metrics(tmp_path / "acc" / "metrics.jsonl") if "loss" in r]
+    bound = adamw_drift_bound(lrs, betas=(0.9, 0.95))  # train's AdamW betas
+    for k in pa:  # plus a few fp32 roundings of the weights themselves per step
+        torch.testing.assert_close(pa[k], pb[k], rtol=2**-20, atol=bound)
     assert acc["tokens"] == big["tokens"] == 3 * 8 * 32
 
 

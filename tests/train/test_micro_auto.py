@@ -1,12 +1,15 @@
 """`gradaccum train --micro-batch auto`: the size measured by `gradaccum.fit`, printed and
 trained with."""
 
+import json
 import os
 
 import numpy as np
 import pytest
 
+from gradaccum import fit
 from gradaccum.cli import main
+from gradaccum.train import loop
 from gradaccum.train.corpus import MarkovCorpus
 from gradaccum.train.metrics import read_metrics
 
@@ -42,3 +45,28 @@ def test_micro_batch_auto_with_accum_steps_given_is_not_probed(tmp_path, data, c
     assert main([*argv, "--micro-batch", "auto", "--eval-every", "0"]) == 0
     assert "micro-batch candidates" not in capsys.readouterr().out
     assert {(r["micro_batch"], r["accum_steps"]) for r in train_lines(tmp_path)} == {(4, 4)}
+
+
+def test_micro_batch_auto_follows_fit_s_rule_for_an_awkward_target(
+    tmp_path, data, capsys, monkeypatch
+):
+    # 4,000 tokens per step = 125 sequences of 32: throughput (set here, not timed) peaks at
+    # micro-batch 32, which gives 32 x k 4 = 128 sequences (+2.4%). The landing size nearest
+    # below it, 31 x k 4 = 124 (-0.8%), is within the 3% noise of it (speed x (31/32)^0.3),
+    # so both `fit` and `train --micro-batch auto` take 31 for the closer batch.
+
+    def fake_time(self, cand):
+        rise = min(1.0, cand.micro_batch / 32) ** 0.3
+        fall = max(0.5, 1 - 0.25 * max(0, cand.micro_batch - 32) / 93)
+        cand.tokens_per_s, cand.noise = 6000.0 * rise * fall, 0.03
+
+    monkeypatch.setattr(fit._Prober, "time", fake_time)
+    monkeypatch.setattr(loop, "AUTO_FIT_SECONDS", 600.0)  # the probes themselves, not a clock
+    argv = ["--data", data, "--seq-len", "32", "--tokens-per-step", "4000"]
+    assert main(["fit", *argv, "--no-checkpointing", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["micro_batch"] == 31
+    train = ["train", "--out", str(tmp_path), *argv, "--max-steps", "1", "--eval-every", "0"]
+    assert main(train) == 0
+    assert "chosen: micro-batch 31 " in capsys.readouterr().out
+    (line,) = train_lines(tmp_path)
+    assert (line["micro_batch"], line["accum_steps"], line["tokens_per_step"]) == (31, 4, 3968)

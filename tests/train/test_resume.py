@@ -196,6 +196,40 @@ def test_a_change_no_resume_can_make_names_the_flag_typed(four_of_six, capsys, f
     assert sorted(p.name for p in four_of_six.rglob("*")) == before
 
 
+@pytest.mark.parametrize(
+    "flag, value, trained_with",
+    [
+        ("--model", "small", "the built-in default model (--model tiny)"),
+        ("--model-config", "config.json", "the built-in default model (--model tiny)"),
+        ("--init-from", "", "the built-in default model (--model tiny)"),
+        # 6 steps, the default warmup: min(100, 6 // 10) = 0 steps
+        ("--warmup-steps", "2", "the default warmup (0 steps)"),
+        ("--seed", "3", "--seed 0"),
+    ],
+)
+def test_a_refusal_says_what_the_run_was_trained_with_in_flags(
+    four_of_six, capsys, tmp_path, flag, value, trained_with
+):
+    if flag in ("--model-config", "--init-from"):  # an absolute path: the line shows it so
+        value = str(tmp_path / value)
+        (tmp_path / "config.json").write_text("{}")
+    line = one_line_error(capsys, ["train", "--resume", "--out", str(four_of_six), flag, value])
+    assert f"{flag} {value}: the run in {four_of_six} was trained with {trained_with}" in line
+    assert "None" not in line
+
+
+def test_a_schedule_refused_on_resume_names_the_batch_it_trained_at(tmp_path, data, capsys):
+    out = tmp_path / "run"
+    # no --tokens-per-step: the default 8,192 tokens per step, 2 steps
+    train(small(out, data, accum_steps=None, max_steps=None, max_tokens=2 * 8192, save_every=1))
+    capsys.readouterr()
+    line = one_line_error(
+        capsys, ["train", "--resume", "--out", str(out), "--batch-schedule", "0:64"]
+    )
+    assert "--batch-schedule 0:64: the run in" in line and "None" not in line
+    assert "was trained with no --batch-schedule: one batch throughout (8,192 tokens" in line
+
+
 def test_a_device_count_that_cannot_split_the_step_is_refused_naming_the_numbers():
     ckpt = types.SimpleNamespace(
         step=2,

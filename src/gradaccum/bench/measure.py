@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import devices
-from ..errors import BadInput, first_line
+from ..errors import first_line
+from ..plan.sizes import fmt_count, fmt_seconds
 from ..train.model import build_model
 from .config import BenchConfig
 from .data import (
@@ -72,21 +73,10 @@ class Entry:
 
 
 def resolve_device(text: str) -> torch.device:
-    """The device --device names, or BadInput when it is unknown or not on this machine."""
-    if text != "auto":
-        kind = text.split(":", 1)[0]
-        try:
-            present = devices.available(kind)
-        except ValueError:
-            raise BadInput(
-                "--device", text, "unknown device; choose cpu, cuda, cuda:1, npu, mps, xpu or auto"
-            ) from None
-        if not present:
-            raise BadInput("--device", text, "not available on this machine")
-    try:
-        return devices.resolve(text)
-    except (RuntimeError, ValueError):
-        raise BadInput("--device", text, "not a device name (cuda:1, cpu, ...)") from None
+    """The device --device names, or BadInput when it is unknown or not on this machine
+    (`devices.check_device`, the check every command shares)."""
+    devices.check_device(text)
+    return devices.resolve(text)
 
 
 def build(cfg: BenchConfig, device: torch.device) -> tuple[torch.nn.Module, object]:
@@ -173,25 +163,33 @@ def measure_error(entry: Entry, model0, window, grad, setup: Setup) -> None:
 
 def run_bench(cfg: BenchConfig, progress=None) -> tuple[list[Entry], dict]:
     """Every contestant on the same model, data and k; entries in table order and the
-    config as the JSON reports it."""
+    config as the JSON reports it. `progress(line)` hears what the bench will do before the
+    first step, how long one step took and what is left, and each contestant's figures as
+    they come (a long sequence can take minutes a step on CPU)."""
+    say = progress or (lambda line: None)
     device = resolve_device(cfg.device)
     model0, info = build(cfg, device)
     vocab = VOCAB if cfg.model_config is None else info.vocab_size
+    chosen = [c for c in CONTESTANTS if c.name in ("gradaccum", "hand-loop") + tuple(cfg.peers)]
+    entries = [Entry(c, skipped=c.missing()) for c in chosen]
+    say(plan_line(cfg, info.params, device, entries))
     windows = make_windows(
         cfg.windows + 1, cfg.accum_steps, cfg.micro_batch, cfg.seq_len, vocab, cfg.seed
     )
     windows = to_device(windows, device)
+    start = time.perf_counter()
     grad = big_batch_gradient(model0, windows[0])
-    chosen = [c for c in CONTESTANTS if c.name in ("gradaccum", "hand-loop") + tuple(cfg.peers)]
-    entries = [Entry(c, skipped=c.missing()) for c in chosen]
+    say(f"float64 big-batch gradient (the reference): {time.perf_counter() - start:.1f} s")
     workdir = tempfile.mkdtemp(prefix="gradaccum-bench-")
     try:
         setup = Setup(device, cfg.accum_steps, workdir, cfg.seed)
         for entry in entries:
+            start = time.perf_counter()
             _attempt(entry, lambda e=entry: measure_error(e, model0, windows[0], grad, setup))
             if entry.skipped is None:
+                say(_checked_line(entry, time.perf_counter() - start, cfg, entries))
                 _attempt(entry, lambda e=entry: _prepare_timing(e, model0, setup))
-        _rounds(entries, windows, cfg.rounds, device, progress)
+        _rounds(entries, windows, cfg.rounds, device, say)
     finally:
         for entry in entries:
             entry.prepared = None
@@ -206,6 +204,34 @@ def run_bench(cfg: BenchConfig, progress=None) -> tuple[list[Entry], dict]:
         "torch": torch.__version__,
     }
     return entries, config
+
+
+def plan_line(cfg: BenchConfig, params: int, device, entries: list[Entry]) -> str:
+    """What the bench runs, in one line, before it runs any of it."""
+    live = [e.contestant.name for e in entries if e.skipped is None]
+    step = cfg.micro_batch * cfg.seq_len * cfg.accum_steps
+    return (
+        f"bench: {cfg.model_name} ({fmt_count(params)} parameters) on {device}, micro-batch "
+        f"{cfg.micro_batch} x {cfg.seq_len:,} tokens x k {cfg.accum_steps} = {step:,} tokens "
+        f"per optimizer step; {len(live)} contestants ({', '.join(live)}), each: 1 step checked "
+        f"against the float64 big batch, then {cfg.rounds} round(s) of {cfg.windows + 1} steps;"
+        " first the big batch's gradient"
+    )
+
+
+def _checked_line(entry: Entry, seconds: float, cfg: BenchConfig, entries: list[Entry]) -> str:
+    """The update check's figure and, after the first one, the time the rest should take."""
+    line = (
+        f"update check, {entry.contestant.name}: error {entry.update_rel_err:.1e} ({seconds:.1f} s)"
+    )
+    if entry is not next(e for e in entries if e.skipped is None):
+        return line
+    live = sum(e.skipped is None for e in entries)
+    steps = (live - 1) + live * cfg.rounds * (cfg.windows + 1)
+    return line + (
+        f"; at about that per step, the {steps} steps left take about "
+        f"{fmt_seconds(steps * seconds)}"
+    )
 
 
 def _prepare_timing(entry: Entry, model0, setup: Setup) -> None:
@@ -225,20 +251,25 @@ def _attempt(entry: Entry, fn) -> None:
         entry.prepared = None
 
 
-def _rounds(entries: list[Entry], windows, rounds: int, device, progress) -> None:
+def _rounds(entries: list[Entry], windows, rounds: int, device, say) -> None:
     tokens = valid_tokens(windows[1:])
     for r in range(rounds):
         live = [e for e in entries if e.skipped is None]
         order = live if r % 2 == 0 else live[::-1]
         tps = {}
         for entry in order:
+            start = time.perf_counter()
             _attempt(entry, lambda e=entry, t=tps: _one_timing(e, windows, device, tokens, t))
+            name = entry.contestant.name
+            if name in tps:
+                say(
+                    f"round {r + 1}/{rounds}, {name}: {tps[name]:,.0f} tokens/s "
+                    f"({time.perf_counter() - start:.1f} s)"
+                )
         hand = tps.get("hand-loop")
         for entry in live:
             if entry.contestant.name in tps and hand:
                 entry.ratios.append(tps[entry.contestant.name] / hand)
-        if progress is not None:
-            progress(r + 1, rounds, tps)
 
 
 def _one_timing(entry: Entry, windows, device, tokens: int, tps: dict) -> None:

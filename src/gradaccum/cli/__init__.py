@@ -5,8 +5,11 @@ from __future__ import annotations
 import importlib
 import os
 import re
+import signal
 import sys
+import threading
 
+from ..atomic import interrupted, no_room, reason
 from ..errors import BadInput, RunFailed
 from .common import ArgumentParser
 
@@ -48,6 +51,17 @@ def _join_negative_values(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    finally:
+        if argv is None and threading.current_thread() is threading.main_thread():
+            # The command is done and the process about to exit: a Ctrl-C now would land in
+            # the interpreter's shutdown (atexit callbacks) as a traceback. Nothing is left
+            # to stop.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _main(argv: list[str] | None) -> int:
     argv = _join_negative_values(sys.argv[1:] if argv is None else list(argv))
     try:
         parser = build_parser()
@@ -63,12 +77,23 @@ def main(argv: list[str] | None = None) -> int:
     except RunFailed as err:
         print(f"gradaccum: error: {err}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("gradaccum: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as err:  # its text, when there is one, says what was kept
+        print(" ".join(["gradaccum: interrupted", str(err)]).rstrip(), file=sys.stderr)
         return 130
     except BrokenPipeError:  # `gradaccum plan --json | head`: the reader left, nothing to say
         sys.stderr.close()
         return 0
+    except (OSError, RuntimeError) as err:
+        # A writer outside gradaccum.atomic that met a full disk, or a Ctrl-C a library
+        # reported as its own error: still one line.
+        if interrupted(err):
+            print("gradaccum: interrupted", file=sys.stderr)
+            return 130
+        full = no_room(err)
+        if full is None:
+            raise
+        print(f"gradaccum: error: {full.filename or 'a file'}: {reason(full)}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ from ..plan.sizes import parse_count
 from .common import print_json
 
 _EPILOG = """\
+Before the first step it says what it will run; after the first contestant's step, about how
+long the rest takes; then each contestant's figures as they come (on stderr).
 tokens/s: valid tokens per second, median of the rounds (order alternating), its spread
 (largest - smallest) / median, and the ratio to the hand loop in the same round.
 update err: one SGD step at lr 1 from the same weights, so the update is the gradient,
@@ -79,9 +81,8 @@ def run(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
 
-    def progress(done: int, total: int, tps: dict) -> None:
-        if not args.json:
-            print(f"round {done}/{total}", file=sys.stderr, flush=True)
+    def progress(line: str) -> None:  # stderr, so that --json keeps stdout to the object
+        print(line, file=sys.stderr, flush=True)
 
     entries, summary = run_bench(config, progress=progress)
     if args.json:

@@ -17,7 +17,11 @@ from .common import print_json
 _EPILOG = """\
 Probes forward + backward + optimizer step at micro-batch 1, 2, 4, ... until one runs out
 of memory (or over --memory-budget), bisects, then times the sizes that fit with activation
-checkpointing off and on, and picks the fastest (within noise: the one with more headroom).
+checkpointing off and on, then the sizes nearest the fastest whose global batch lands on the
+target (within 1%). Of the sizes whose global batch is within --batch-tolerance (default 5%)
+of the target it picks the fastest; among those within measurement noise of it (at most 5%),
+one that lands on the target, then the one with the most headroom. The table says what a
+choice off the target buys, and which faster size the tolerance left out.
 Memory is measured: the allocator's peak on accelerators; on CPU the bytes of parameters,
 gradients, buffers and optimizer state plus the tensors autograd saves for backward.
 Examples:
@@ -48,8 +52,16 @@ def add_parser(sub, name: str) -> None:
     batch.add_argument(
         "--tokens-per-step", metavar="N", help="target over all ranks (8192): 262k, 4M"
     )
+    batch.add_argument(
+        "--batch-tolerance",
+        metavar="X",
+        help="how far the global batch may land from the target when that is faster: 0.05 "
+        "or 5%% (default 5%%); 0 insists on the target",
+    )
     batch.add_argument("--memory-budget", metavar="SIZE", help="1GB, 20GiB; bare number: GB")
-    batch.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, npu, mps or auto")
+    batch.add_argument(
+        "--device", default="auto", help="cpu, cuda, cuda:1, npu, npu:1, xpu, mps or auto"
+    )
     batch.add_argument(
         "--max-seconds", metavar="T", help="end probing and timing after this many seconds"
     )
@@ -72,9 +84,11 @@ def _whole(text: str, flag: str, least: int) -> int:
 
 def _options(args: argparse.Namespace) -> dict:
     """The flags' values, checked: BadInput naming the flag and value otherwise."""
+    from ..devices import check_device
     from ..train.config import DEFAULT_PRESET, DEFAULT_TOKENS_PER_STEP
     from ..train.model import PRESETS
 
+    check_device(args.device)
     if args.model is not None and args.model_config is not None:
         raise BadInput("--model", args.model, "give --model or --model-config, not both")
     if args.model is not None and args.model not in PRESETS:
@@ -100,7 +114,29 @@ def _options(args: argparse.Namespace) -> dict:
         "device": args.device,
         "max_seconds": seconds,
         "try_checkpointing": not args.no_checkpointing,
+        "batch_tolerance": _tolerance(args.batch_tolerance),
     }
+
+
+MAX_TOLERANCE = 0.5
+"""The most --batch-tolerance takes: a batch half again or half the target is another recipe."""
+
+
+def _tolerance(text: str | None) -> float:
+    """--batch-tolerance as a fraction: 0.05 or 5%; the default when not given."""
+    from ..fit_search import BATCH_TOLERANCE
+
+    if text is None:
+        return BATCH_TOLERANCE
+    body = text.strip()
+    percent = body.endswith("%")
+    try:
+        value = float(body[:-1] if percent else body) / (100 if percent else 1)
+    except ValueError:
+        raise BadInput("--batch-tolerance", text, "expected a fraction: 0.05 or 5%") from None
+    if not 0 <= value <= MAX_TOLERANCE:  # NaN fails this too
+        raise BadInput("--batch-tolerance", text, f"must be from 0 to {MAX_TOLERANCE:.0%}")
+    return value
 
 
 def _one_line(err: BaseException, flag: str, value) -> BadInput:
@@ -177,6 +213,7 @@ def run(args: argparse.Namespace) -> int:
             memory_budget=opts["memory_budget"],
             try_checkpointing=opts["try_checkpointing"],
             max_seconds=opts["max_seconds"],
+            batch_tolerance=opts["batch_tolerance"],
         )
     finally:
         distributed.teardown(info)

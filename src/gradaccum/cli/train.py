@@ -1,7 +1,14 @@
 """`gradaccum train`: train a causal LM at a fixed tokens-per-step budget.
 
-With no flags it trains the built-in `tiny` GPT on the built-in Markov corpus for a budget
-that ends within about two minutes on two CPU cores, writing to runs/<date>-<time>.
+With no flags it trains the built-in `tiny` GPT on the built-in Markov corpus, 192 steps of
+8,192 tokens, writing to runs/<date>-<time>. Measured on 2 CPU cores shared with other work:
+207 s with OMP_NUM_THREADS=1 (load average 5.0), 817 s and 1,089 s with torch's 2 threads
+(load 5.3 to 5.6, where the threads wait for each other); 64 and 89 s on idle 2-core
+machines earlier (README, Measured).
+
+Progress: a bar on a terminal; in a log, a line about 10 s in, then every tenth of the run or
+every 30 s, whichever comes first. A line's tokens/s is that of the steps since the line
+before (their tokens over their seconds); the bar's, a moving average over about 10 steps.
 
 Values come from, later ones winning: the defaults; on --resume the checkpoint's own
 settings; the --config TOML file (keys are the flag names, with - or _); the command line.
@@ -123,6 +130,7 @@ def _human(s: dict) -> str:
         f"{s['tokens']:,} tokens, {s['tokens_per_s']:,.0f} tokens/s, {s['wall_s']:.1f} s",
         f"loss {num(s['initial_loss'])} -> {num(s['final_loss'])} "
         f"(held out {num(s['final_eval_loss'])}); ln V {s['ln_vocab']:.4f}{floor}",
-        f"out {s['out']}: metrics.jsonl, train.toml, loss.png, checkpoints/",
+        f"out {s['out']}: {', '.join(s['files'])}"
+        + "".join(f"; {name} not written ({why})" for name, why in s["not_written"].items()),
     ]
     return "\n".join(lines)

@@ -118,6 +118,8 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     batch_schedule: SchedulePlan | None = None
     """With --batch-schedule: the run phase by phase (the batch rows above are its first)."""
+    world_size_assumed: bool = False
+    """True when --gpus was not given and one device was assumed."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -273,12 +275,18 @@ def _gb(n_bytes: int | None) -> float | None:
 def make_plan(i: PlanInputs) -> Plan:
     """Resolve every number the inputs determine. Raises BadInput for inputs that make none."""
     world = i.gpus or 1
+    assumed = i.gpus is None
     shape, params = _model(i)
     trainable, held = _trainable(i, shape, params)
     setup = _memory_setup(i, world, trainable)
     seq_len = i.seq_len
     warnings: list[str] = []
     notes: list[str] = []
+    if assumed:
+        notes.append(
+            "one device assumed (--gpus not given): the global batch, k and the time are for "
+            "1 device; give --gpus N to plan for N"
+        )
     batch, fit_cap = _choose_micro_batch(i, shape, held, setup, world, notes)
     micro_batch, micro_tokens = batch.micro_batch, batch.micro_tokens
     if i.batch_schedule is not None:
@@ -344,6 +352,7 @@ def make_plan(i: PlanInputs) -> Plan:
         warnings=warnings,
         notes=notes,
         batch_schedule=scheduled,
+        world_size_assumed=assumed,
     )
 
 

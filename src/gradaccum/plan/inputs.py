@@ -21,6 +21,11 @@ _COUNTS = (
 ).split()
 
 
+MAX_GPUS = 1_000_000
+"""The most --gpus a plan takes: the largest training runs so far use about 100,000 devices;
+a number far past that is a typo (a size suffix on the wrong flag), not a plan."""
+
+
 def show_value(value) -> str:
     """A value as a message shows it: 4000000 -> '4M', 0.25 -> '0.25', 262144 -> '262144'."""
     if isinstance(value, float):
@@ -51,7 +56,8 @@ class PlanInputs:
     micro_tokens: int | None = None
     """Tokens per device per micro-step."""
     gpus: int | None = None
-    """World size (data-parallel devices); 1 when not given."""
+    """World size (data-parallel devices), at most MAX_GPUS; 1 when not given (and the plan
+    says so)."""
     micro_step_time: float | None = None
     """Measured seconds for one micro-step (forward and backward of one micro-batch)."""
     steps: int | None = None
@@ -105,6 +111,11 @@ class PlanInputs:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise BadInput(f"{flag_name(name)} {value}: must be a whole number, at least 1")
+        if self.gpus is not None and self.gpus > MAX_GPUS:
+            raise BadInput(
+                f"--gpus {show_value(self.gpus)}: at most {MAX_GPUS:,} devices (the largest "
+                "training runs so far use about 100,000)"
+            )
         for name in ("micro_step_time", "peak_tflops", "mfu", "base_lr"):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 0):

@@ -38,7 +38,8 @@ def _rows(plan) -> list[tuple[str, str, str, str]]:
             "parameters",
             plan.model or "--params",
         )
-    add("devices", w, str(w), "GPUs (world size)")
+    assumed = "assumed: --gpus not given" if plan.world_size_assumed else ""
+    add("devices", w, str(w), "GPUs (world size)", assumed)
     add("micro-batch", b, fmt_int(b or 0), "sequences / device", plan.micro_batch_from or "")
     add("sequence length", s, fmt_int(s or 0), "tokens")
     add("micro-batch tokens", plan.micro_tokens, fmt_int(plan.micro_tokens or 0), "tokens / device")

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..atomic import fsync_dir, umask, write_atomic, write_text_atomic
+from ..atomic import fsync_dir, umask, write_atomic, write_text_atomic, writing
 from ..errors import first_line
 
 CHECKPOINTS = "checkpoints"
@@ -70,8 +70,9 @@ def _write_synced(path: str, write) -> None:
 
 def save_model(folder: str, model_state: dict, model_config: dict, write=None) -> None:
     """model.pt (state_dict) and config.json into `folder`. By default each is written
-    atomically, so a kill mid-export leaves the previous export whole; a checkpoint, whose
-    whole folder is renamed into place, writes them plainly (`write=_write_synced`)."""
+    atomically, so a kill mid-export or a full disk leaves the previous export whole (DiskFull
+    names the file); a checkpoint, whose whole folder is renamed into place, writes them
+    plainly (`write=_write_synced`)."""
     write = write or write_atomic
     write(os.path.join(folder, "model.pt"), lambda f: torch.save(model_state, f))
     text = json.dumps(model_config, indent=2, sort_keys=True).encode("utf-8")
@@ -90,15 +91,33 @@ def save(
     """Write checkpoint `step` under out/checkpoints atomically; keep the newest `keep`.
 
     Returns the checkpoint's folder. If writing fails (or the process dies), the previous
-    checkpoint and `latest` are untouched.
+    checkpoint and `latest` are untouched and nothing half-written is left: no room on the
+    disk raises DiskFull naming the checkpoint's folder, a Ctrl-C KeyboardInterrupt.
     """
     root = os.path.join(out, CHECKPOINTS)
-    os.makedirs(root, exist_ok=True)
     name = f"step-{step:08d}"
     final = os.path.join(root, name)
+    with writing(final):
+        os.makedirs(root, exist_ok=True)
+        _write_folder(root, name, model_state, model_config, trainer_state, run_config)
+        try:
+            write_text_atomic(os.path.join(root, LATEST), name + "\n")
+        except BaseException:
+            # Where `latest` still names the previous checkpoint, the new one was never made
+            # current: it goes, and the folder is as it was before this save.
+            if _latest_text(root) != name:
+                _remove(root, name)
+            raise
+    _prune(root, keep, step)
+    return final
+
+
+def _write_folder(root, name, model_state, model_config, trainer_state, run_config) -> None:
+    """Every file of checkpoint `name` into a folder aside, fsynced, renamed to root/name."""
+    final = os.path.join(root, name)
     tmp = tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root)
-    os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes it owner-only
     try:
+        os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes it owner-only
         save_model(tmp, model_state, model_config, write=_write_synced)
         _write_synced(os.path.join(tmp, "trainer.pt"), lambda f: torch.save(trainer_state, f))
         if run_config is not None:
@@ -110,15 +129,30 @@ def save(
         if os.path.exists(final):
             # A folder of this step left by a run that died before moving `latest` to it:
             # `latest` does not name it, so it can go.
-            shutil.rmtree(final)
+            _remove(root, name)
         os.replace(tmp, final)
         fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    write_text_atomic(os.path.join(root, LATEST), name + "\n")
-    _prune(root, keep, step)
-    return final
+
+
+def _remove(root: str, name: str) -> None:
+    """Remove folder root/name, first renamed aside (.tmp-gone-*, a rename needs no room on
+    a full disk): a kill part-way leaves a .tmp- folder that the next save clears, never a
+    step-* folder with some of its files gone."""
+    aside = os.path.join(root, f".tmp-gone-{name}")
+    shutil.rmtree(aside, ignore_errors=True)
+    try:
+        os.replace(os.path.join(root, name), aside)
+    except OSError:
+        aside = os.path.join(root, name)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def is_step_name(name: str) -> bool:
+    """Whether `name` is a checkpoint folder's name (step-00000200)."""
+    return _NAME.match(name) is not None
 
 
 def _steps(root: str) -> list[tuple[int, str]]:
@@ -135,22 +169,29 @@ def _prune(root: str, keep: int, step: int) -> None:
     latest = read_latest_name(root)
     complete = [name for s, name in _steps(root) if s <= step]
     for name in [name for s, name in _steps(root) if s > step]:
-        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        _remove(root, name)
     for name in complete[: max(0, len(complete) - keep)]:
         if name != latest:
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            _remove(root, name)
     for entry in os.listdir(root):  # half-written folders of runs that died mid-save
         if entry.startswith(".tmp-"):
             path = os.path.join(root, entry)
             shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.unlink(path)
 
 
-def read_latest_name(root: str) -> str | None:
-    path = os.path.join(root, LATEST)
-    if not os.path.exists(path):
+def _latest_text(root: str) -> str | None:
+    """What `latest` says, whether or not the folder it names is there."""
+    try:
+        with open(os.path.join(root, LATEST), encoding="utf-8") as f:
+            return f.read().strip()
+    except (OSError, ValueError):
         return None
-    with open(path, encoding="utf-8") as f:
-        name = f.read().strip()
+
+
+def read_latest_name(root: str) -> str | None:
+    name = _latest_text(root)
+    if name is None:
+        return None
     return name if _NAME.match(name) and os.path.isdir(os.path.join(root, name)) else None
 
 
@@ -224,16 +265,34 @@ def damage(path: str) -> str | None:
     return None
 
 
+def verifiable(path: str) -> bool:
+    """Whether checkpoint folder `path` has the manifest its files can be checked against."""
+    return os.path.isfile(os.path.join(path, MANIFEST))
+
+
 def newest_intact(out: str) -> tuple[str | None, list[str]]:
     """The newest checkpoint folder under `out` that passes `damage`, and one line per newer
-    one that did not ("step-00000004: model.pt is missing")."""
+    one that did not ("step-00000004: model.pt is missing").
+
+    A folder without its manifest (deleted, or written by an older version) cannot be
+    verified: an older folder that passes its manifest is preferred to it, the unverified one
+    named among the skipped ("step-00000004: no manifest.json, so it cannot be verified").
+    Only when no verified folder is left is the newest unverified one that loads returned
+    (`verifiable(path)` then says False)."""
     root = os.path.join(out, CHECKPOINTS)
-    skipped = []
+    skipped: list[str] = []
+    unverified: tuple[str, int] | None = None  # its folder, and the lines skipped before it
     for _, name in reversed(_steps(root) if os.path.isdir(root) else []):
-        why = damage(os.path.join(root, name))
+        folder = os.path.join(root, name)
+        why = damage(folder)
+        if why is None and verifiable(folder):
+            return folder, skipped
         if why is None:
-            return os.path.join(root, name), skipped
+            unverified = unverified or (folder, len(skipped))
+            why = f"no {MANIFEST}, so it cannot be verified"
         skipped.append(f"{name}: {why}")
+    if unverified is not None:
+        return unverified[0], skipped[: unverified[1]]
     return None, skipped
 
 

@@ -3,26 +3,53 @@ folder, the paths, the device. Each failure is a BadInput naming the flag and th
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import tempfile
 import time
+from collections.abc import Callable
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
 
 from ..errors import BadInput
 from . import checkpoint
-from .lock import RunLock
+from .config import FLAGS
+from .lock import LOCK_FILE, RunLock
 
 
 def default_out() -> str:
-    """runs/<date>-<time> under the current folder: where a run without --out writes."""
-    return os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    """runs/<date>-<time> under the current folder: where a run without --out writes; with
+    -2, -3, ... added when a run started in the same second already has that folder."""
+    base = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    path, n = base, 1
+    while os.path.exists(path):
+        n += 1
+        path = f"{base}-{n}"
+    return path
 
 
 def check_out_folder(out: str) -> None:
-    """--out must be a folder, or creatable as one, that this process can write in. The
-    nearest existing folder is probed with a folder made and removed at once: permission
-    bits say nothing for root or on a read-only mount."""
+    """--out must be a folder, or creatable as one, that this process can write in, and,
+    when it exists and holds anything, one of our runs (`is_run_folder`): a folder of the
+    user's is refused before anything in it is touched. The nearest existing folder is probed
+    with a folder made and removed at once: permission bits say nothing for root or on a
+    read-only mount."""
     if os.path.exists(out) and not os.path.isdir(out):
         raise BadInput("--out", out, "exists and is not a folder")
+    if os.path.isdir(out) and not is_run_folder(out):
+        entries = sorted(os.listdir(out))
+        shown = ", ".join(entries[:3]) + (
+            f" and {len(entries) - 3} more" if len(entries) > 3 else ""
+        )
+        raise BadInput(
+            "--out",
+            out,
+            f"holds files that are not a gradaccum run ({shown}); choose an empty or new folder",
+        )
     path = os.path.abspath(out)
     while not os.path.exists(path):
         path = os.path.dirname(path)
@@ -32,6 +59,92 @@ def check_out_folder(out: str) -> None:
         os.rmdir(tempfile.mkdtemp(prefix=".gradaccum-probe-", dir=path))
     except OSError as err:
         raise BadInput("--out", out, f"{path} is not writable ({err.strerror})") from None
+
+
+START_ENTRIES = (".lock",)
+"""What a run writes before its train.toml: a folder holding only these (and .tmp- files,
+atomic writes cut short) is a run whose start was cut short."""
+
+
+def is_run_folder(out: str) -> bool:
+    """Whether existing folder `out` is empty or one of our runs: it holds a train.toml of
+    flat `setting = value` lines whose keys are all train settings, a metrics.jsonl whose
+    first line is one of our records (or no complete line yet), or a checkpoints/ folder
+    holding only checkpoints (step-NNNNNNNN, `latest`, .tmp- leftovers); or nothing but what
+    a run writes first (the lock). A run stopped by a double Ctrl-C before its first
+    checkpoint is one (train.toml, metrics.jsonl); so is a run folder the user added files
+    to (notes), since it still holds these."""
+    entries = os.listdir(out)
+    if all(e in START_ENTRIES or e.startswith(".tmp-") for e in entries):
+        return True
+    return (
+        _our_train_toml(os.path.join(out, "train.toml"))
+        or _our_metrics(os.path.join(out, "metrics.jsonl"))
+        or _our_checkpoints(os.path.join(out, checkpoint.CHECKPOINTS))
+    )
+
+
+def undo_start(out: str) -> Callable[[], None]:
+    """For a new run's start: a function that removes what the start made in `out` from now
+    on, when it fails (a full disk): the folders made down to `out` when it does not exist
+    yet, else those of the files a start writes (lock, train.toml, metrics.jsonl,
+    tensorboard/) that are not there now. What was there is left."""
+    path, top = os.path.abspath(out), None
+    while not os.path.exists(path):
+        top, path = path, os.path.dirname(path)
+    before = set(os.listdir(out)) if top is None else set()
+
+    def undo() -> None:
+        if top is not None:
+            shutil.rmtree(top, ignore_errors=True)
+            return
+        for name in (LOCK_FILE, "train.toml", "metrics.jsonl", "tensorboard"):
+            entry = os.path.join(out, name)
+            if name in before or not os.path.lexists(entry):
+                continue
+            shutil.rmtree(entry, ignore_errors=True) if os.path.isdir(entry) else os.unlink(entry)
+
+    return undo
+
+
+def _our_train_toml(path: str) -> bool:
+    if not os.path.isfile(path):
+        return False
+    try:
+        with open(path, "rb") as f:
+            values = tomllib.load(f)
+    except (OSError, ValueError):  # TOMLDecodeError and UnicodeDecodeError are ValueErrors
+        return False
+    return all(  # ours is flat: a setting's name = its value
+        key.replace("-", "_") in FLAGS and isinstance(value, (str, int, float, bool))
+        for key, value in values.items()
+    )
+
+
+def _our_metrics(path: str) -> bool:
+    if not os.path.isfile(path):
+        return False
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)
+    except OSError:
+        return False
+    if b"\n" not in head:  # not one complete line yet: a run cut short at its first
+        return head.strip() == b"" or head.startswith(b'{"step": ')
+    try:
+        first = json.loads(head.split(b"\n", 1)[0])
+    except ValueError:
+        return False
+    return isinstance(first, dict) and isinstance(first.get("step"), int)
+
+
+def _our_checkpoints(path: str) -> bool:
+    if not os.path.isdir(path):
+        return False
+    return all(
+        checkpoint.is_step_name(e) or e == checkpoint.LATEST or e.startswith(".tmp-")
+        for e in os.listdir(path)
+    )
 
 
 def check_paths(config) -> None:
@@ -55,25 +168,11 @@ def check_paths(config) -> None:
 
 
 def check_device(device: str) -> None:
-    """--device names a device kind this machine has (or is auto)."""
-    import torch
+    """--device names a device this machine has (or is auto): `devices.check_device`, the
+    check every command with --device shares."""
+    from ..devices import check_device as check
 
-    from ..devices import available
-
-    if device == "auto":
-        return
-    try:
-        kind = torch.device(device).type
-    except (RuntimeError, ValueError):
-        raise BadInput(
-            "--device", device, "not a device (cpu, cuda, cuda:1, npu, mps, xpu, auto)"
-        ) from None
-    try:
-        ok = available(kind)
-    except ValueError:
-        ok = False
-    if not ok:
-        raise BadInput("--device", device, "not available on this machine")
+    check(device)
 
 
 def check_run_folder(out: str, resume: bool) -> None:

@@ -2,7 +2,8 @@
 
 Text goes to stdout, or to stderr under --json so that stdout carries only the summary
 object. The live bar (tqdm) goes to stderr when stderr is a terminal; otherwise (a log file,
-CI) a plain line is printed every tenth of the run.
+CI) a plain line is printed about 10 s in, then every tenth of the run or every 30 s,
+whichever comes first (`Progress`).
 """
 
 from __future__ import annotations
@@ -24,15 +25,31 @@ class Console:
             print(text, file=self.stream, flush=True)
 
 
+FIRST_LINE_S = 10.0
+"""Seconds into training of the first log line (a tenth of the run, if sooner)."""
+LINE_EVERY_S = 30.0
+"""Seconds between two log lines at most; a tenth of the run, if sooner."""
+BAR_SMOOTHING = 0.1
+"""Weight of the newest step in the bar's moving averages: about the last 10 steps."""
+
+
 class Progress:
-    """step, loss, tokens/s, lr, k and ETA: a tqdm bar on a terminal, log lines elsewhere."""
+    """step, loss, tokens/s, lr, k, time and ETA: a tqdm bar on a terminal, lines elsewhere.
+
+    Lines (a log file, CI): the first FIRST_LINE_S seconds into training, then every tenth of
+    the run or every LINE_EVERY_S seconds, whichever comes first, and at the last step. Their
+    tokens/s is that of the steps since the previous line (their tokens over their seconds),
+    not one step's. The bar's is an exponential moving average of tokens and seconds per
+    step, weight BAR_SMOOTHING (about the last 10 steps)."""
 
     def __init__(self, console: Console, total_steps: int, start_step: int, accum_steps: int):
         self.console = console
         self.total = total_steps
         self.accum_steps = accum_steps
-        self.every = max(1, total_steps // 10)
         self.bar = None
+        self._last_line_s: float | None = None  # elapsed seconds at the last line; None: none
+        self._tokens = self._seconds = 0.0  # since the last line
+        self._ema: tuple[float, float] | None = None  # (tokens, seconds) per step
         if console.enabled and sys.stderr.isatty():
             from tqdm import tqdm
 
@@ -45,31 +62,52 @@ class Progress:
                 leave=True,
             )
 
+    @property
+    def every(self) -> int:
+        """Steps between two lines at most: a tenth of the run."""
+        return max(1, self.total // 10)
+
     def update(
         self,
         step: int,
         loss: float,
-        tokens_per_s: float,
+        tokens: int,
+        seconds: float,
         lr: float,
         elapsed_s: float,
         steps_done_here: int,
     ) -> None:
+        """After optimizer step `step`, which trained on `tokens` in `seconds`; `elapsed_s`
+        since training started in this process, `steps_done_here` steps of it."""
         if not self.console.enabled:
             return
         if self.bar is not None:
-            self.bar.set_postfix_str(
-                f"loss {loss:.4f}  {tokens_per_s:,.0f} tok/s  lr {lr:.2e}  k {self.accum_steps}",
-                refresh=False,
-            )
-            self.bar.update(step - self.bar.n)
+            self._bar(step, loss, tokens, seconds, lr)
             return
-        if step % self.every == 0 or step == self.total:
-            left = self.total - step
-            eta = elapsed_s / max(steps_done_here, 1) * left
-            self.console.say(
-                f"step {step}/{self.total}  loss {loss:.4f}  {tokens_per_s:,.0f} tok/s  "
-                f"lr {lr:.2e}  k {self.accum_steps}  eta {eta:.0f} s"
-            )
+        self._tokens += tokens
+        self._seconds += seconds
+        wait = FIRST_LINE_S if self._last_line_s is None else LINE_EVERY_S
+        since = elapsed_s - (self._last_line_s or 0.0)
+        if step % self.every and step != self.total and since < wait:
+            return
+        rate = self._tokens / self._seconds if self._seconds > 0 else 0.0
+        eta = elapsed_s / max(steps_done_here, 1) * (self.total - step)
+        self.console.say(
+            f"step {step}/{self.total}  loss {loss:.4f}  {rate:,.0f} tok/s  lr {lr:.2e}  "
+            f"k {self.accum_steps}  {elapsed_s:.0f} s, eta {eta:.0f} s"
+        )
+        self._last_line_s, self._tokens, self._seconds = elapsed_s, 0.0, 0.0
+
+    def _bar(self, step: int, loss: float, tokens: int, seconds: float, lr: float) -> None:
+        a = BAR_SMOOTHING
+        old = self._ema or (tokens, seconds)
+        self._ema = (a * tokens + (1 - a) * old[0], a * seconds + (1 - a) * old[1])
+        rate = self._ema[0] / self._ema[1] if self._ema[1] > 0 else 0.0
+        self.bar.set_postfix_str(
+            f"loss {loss:.4f}  {rate:,.0f} tok/s  lr {lr:.2e}  k {self.accum_steps}",
+            refresh=False,
+        )
+        self.bar.update(step - self.bar.n)
 
     def note(self, text: str) -> None:
         """A line between bar updates (eval loss, checkpoint saved)."""
@@ -89,17 +127,24 @@ class StopSignals:
     """SIGTERM and Ctrl-C ask the run to stop: it saves at the next window boundary and ends.
 
     `requested` names the signal ("SIGTERM" or "SIGINT") once one arrived. A second Ctrl-C
-    raises KeyboardInterrupt at once, for someone who does not want to wait for the save.
+    raises KeyboardInterrupt at once, for someone who does not want to wait for the save; the
+    Ctrl-Cs after it are ignored until the handlers are restored, so that the cleanup on the
+    way out (a half-written checkpoint removed, the lock released) is not cut short in turn.
     Handlers are installed only in the main thread and restored on exit.
     """
 
     def __init__(self):
         self.requested: str | None = None
+        self.interrupted = False
+        """Whether a second Ctrl-C raised KeyboardInterrupt: a library whose C code it landed
+        in may have turned it into an error of its own (matplotlib: ValueError)."""
         self._old: dict = {}
 
     def _handle(self, signum, frame):
         name = signal.Signals(signum).name
         if name == "SIGINT" and self.requested == "SIGINT":
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            self.interrupted = True
             raise KeyboardInterrupt
         self.requested = self.requested or name
 

@@ -299,10 +299,7 @@ def _load_file(path: str) -> tuple[np.ndarray, int]:
             raise BadInput(f"{flag}: {size} bytes is not a whole number of uint16 token ids")
         tokens = _memmap(path, np.uint16, size)
     else:
-        try:
-            tokens = np.load(path, mmap_mode="r", allow_pickle=False)
-        except (ValueError, OSError) as err:
-            raise BadInput(f"{flag}: not a readable .npy array ({err})") from None
+        tokens = _load_npy(path, flag)
         if tokens.dtype not in (np.uint16, np.uint32):
             raise BadInput(f"{flag}: dtype {tokens.dtype}; token ids must be uint16 or uint32")
         if tokens.ndim != 1:
@@ -315,6 +312,33 @@ def _load_file(path: str) -> tuple[np.ndarray, int]:
             "is a padding or sentinel id in the file?"
         )
     return tokens, top + 1
+
+
+NPY_EXPECTED = "expected a 1-D array of uint16 or uint32 token ids saved with numpy.save"
+
+
+def _load_npy(path: str, flag: str) -> np.ndarray:
+    """The array of a .npy file, memory-mapped; BadInput saying what the file is instead
+    (text or other bytes, Python objects, a cut-off array) in words, not numpy's advice on
+    unpickling."""
+    fmt = np.lib.format
+    with open(path, "rb") as f:
+        try:
+            version = fmt.read_magic(f)
+        except ValueError:  # text, or any other bytes
+            raise BadInput(f"{flag}: not a NumPy array file; {NPY_EXPECTED}") from None
+        read = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+        try:
+            dtype = read(f)[2]
+        except ValueError:
+            why = "a damaged NumPy array file (its header cannot be read)"
+            raise BadInput(f"{flag}: {why}; {NPY_EXPECTED}") from None
+    if dtype.hasobject:
+        raise BadInput(f"{flag}: holds Python objects, not integer token ids; {NPY_EXPECTED}")
+    try:
+        return np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError):
+        raise BadInput(f"{flag}: a damaged or cut-off NumPy array file; {NPY_EXPECTED}") from None
 
 
 def _memmap(path: str, dtype, size: int) -> np.ndarray:

@@ -8,11 +8,13 @@ prints.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import socket
 import time
 
+from ..atomic import writing
 from ..errors import BadInput
 
 LOCK_FILE = ".lock"
@@ -43,9 +45,13 @@ class RunLock:
         return None
 
     def acquire(self) -> None:
-        """Take the lock (creating `out`), or raise BadInput naming the run that holds it."""
-        os.makedirs(self.out, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        """Take the lock (creating `out`), or raise BadInput naming the run that holds it;
+        DiskFull naming the lock file when there is no room to write who holds it."""
+        made_folder, had_file = not os.path.isdir(self.out), os.path.exists(self.path)
+        with writing(self.out):
+            os.makedirs(self.out, exist_ok=True)
+        with writing(self.path):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -56,8 +62,22 @@ class RunLock:
                 f"in use by a running run ({self.holder()}); wait for it or choose another folder",
             ) from None
         started = time.strftime("%Y-%m-%d %H:%M:%S")
-        os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, started {started}\n".encode())
+        text = f"pid {os.getpid()} on {socket.gethostname()}, started {started}\n".encode()
+        try:
+            with writing(self.path):
+                # Written over the old text, then cut to length: a full disk leaves the old.
+                done = 0
+                while done < len(text):  # a short write is retried: the retry says why
+                    done += os.pwrite(fd, text[done:], done)
+                os.ftruncate(fd, len(text))
+        except BaseException:
+            os.close(fd)
+            if not had_file:  # what this call made goes with it
+                os.unlink(self.path)
+                if made_folder:
+                    with contextlib.suppress(OSError):  # not empty: someone else's now
+                        os.rmdir(self.out)
+            raise
         self._fd = fd
 
     def release(self) -> None:

@@ -20,13 +20,13 @@ import torch
 import torch.distributed as dist
 
 from .. import devices, sync
-from ..atomic import write_text_atomic
+from ..atomic import interrupted, write_text_atomic
 from ..distributed import RankInfo, init_distributed, peer_lost, teardown
 from ..engine import Accumulator, StepResult
-from ..errors import BadInput, RanksLost, RunFailed, first_line
+from ..errors import BadInput, DiskFull, RanksLost, RunFailed, first_line
 from ..plan.sizes import fmt_count
 from . import checkpoint, checks, resume
-from .batching import AUTO, first_target, make_batching, smallest_target, token_schedule
+from .batching import AUTO, make_batching, smallest_target, token_schedule
 from .config import DEFAULT_MAX_TOKENS, DEFAULT_TOKENS_PER_STEP, TrainConfig, to_toml
 from .console import Console, Progress, StopSignals
 from .lock import RunLock
@@ -157,21 +157,6 @@ def _target(config: TrainConfig) -> int:
     if config.batch_schedule is not None:
         return smallest_target(config)
     return config.tokens_per_step or DEFAULT_TOKENS_PER_STEP
-
-
-def _plan_config(config: TrainConfig) -> TrainConfig:
-    """The config the plan table is made for: a schedule's first batch, over the run."""
-    if config.batch_schedule is None:
-        return config
-    return replace(
-        config,
-        batch_schedule=None,
-        lr_rule="none",
-        min_tokens_per_step=None,
-        max_tokens_per_step=None,
-        batch_double_every=None,
-        tokens_per_step=first_target(config),
-    )
 
 
 def measure_micro_batch(config: TrainConfig, model, train_set, rank_info: RankInfo, say):
@@ -307,8 +292,8 @@ class Run:
         if ckpt is not None:
             notes = resume.check_data(config, ckpt, data[2])
             plan_config = resume.batch_config(config, ckpt, rank_info.world_size)
-        resolved = resolve_plan(
-            _plan_config(plan_config),
+        resolved = resolve_plan(  # a schedule's plan: its first batch, its lr rule, by phase
+            plan_config,
             model_info,
             rank_info.world_size,
             rank_info.device,
@@ -414,7 +399,8 @@ class Run:
             self._count_steps()
 
     def start(self) -> None:
-        """Say what is about to happen, take the folder's lock, write train.toml."""
+        """Say what is about to happen, take the folder's lock, write train.toml. No room on
+        the disk for any of it: RunFailed in one line, and a new run's start leaves nothing."""
         config, info, say = self.config, self.data_info, self.console.say
         say(self.resolved.table)
         say(f"model  {self.model_info.source}: {self.model_info.params:,} parameters")
@@ -432,23 +418,66 @@ class Run:
             )
         for line in self.notes:
             say(f"resume: {line}")
-        self._take_lock()
-        if self.is_main:
-            write_text_atomic(os.path.join(config.out, "train.toml"), to_toml(config.chosen()))
-            keep = self.ckpt.trainer_state["metrics_lines"] if self.ckpt is not None else None
-            self.metrics = MetricsWriter(os.path.join(config.out, "metrics.jsonl"), keep)
-            if config.tensorboard:
-                from .tensorboard import TensorBoardWriter
+        # A new run's start that meets a full disk leaves --out as it was: what it made goes.
+        undo = checks.undo_start(config.out) if self.ckpt is None and self.is_main else None
+        try:
+            self._take_lock()
+            if self.is_main:
+                self._open_files()
+        except DiskFull as err:
+            self.lock.release()
+            if undo is not None:
+                undo()
+            if self.ckpt is not None:
+                raise RunFailed(
+                    f"{err}; the run did not resume, {config.out} is as it was"
+                ) from None
+            raise RunFailed(f"{err}; the run did not start and left nothing behind") from None
 
-                # Events past the checkpoint's step came after it and will be written again.
-                purge = self.acc.steps + 1 if self.ckpt is not None else None
-                self.tensorboard = TensorBoardWriter(config.out, purge_step=purge)
+    def _open_files(self) -> None:
+        """train.toml, metrics.jsonl and, with --tensorboard, its event file."""
+        config = self.config
+        write_text_atomic(os.path.join(config.out, "train.toml"), to_toml(config.chosen()))
+        keep = self.ckpt.trainer_state["metrics_lines"] if self.ckpt is not None else None
+        self.metrics = MetricsWriter(os.path.join(config.out, "metrics.jsonl"), keep)
+        if config.tensorboard:
+            from .tensorboard import TensorBoardWriter
+
+            # Events past the checkpoint's step came after it and will be written again.
+            purge = self.acc.steps + 1 if self.ckpt is not None else None
+            self.tensorboard = TensorBoardWriter(config.out, purge_step=purge)
 
     def write_record(self, record: dict) -> None:
-        """One metrics record into metrics.jsonl and, with --tensorboard, TensorBoard."""
-        self.metrics.write(record)
+        """One metrics record into metrics.jsonl and, with --tensorboard, TensorBoard. No
+        room for metrics.jsonl stops the run (RunFailed naming the checkpoint still there: a
+        run without its metrics would not resume exactly); no room for TensorBoard's file
+        turns TensorBoard off, said in one line, and the run goes on."""
+        try:
+            self.metrics.write(record)  # whole lines only: the file ends at the last whole one
+        except DiskFull as err:
+            raise RunFailed(
+                f"{err} at step {record['step']}; the run stopped, {self._kept('free space and ')}"
+            ) from None
         if self.tensorboard is not None:
-            self.tensorboard.write(record)
+            try:
+                self.tensorboard.write(record)
+            except DiskFull as err:
+                self._close_tensorboard()
+                self.not_written["tensorboard/"] = f"past step {record['step'] - 1}: {err.reason}"
+                self.progress.note(
+                    f"{err}; TensorBoard is off from step {record['step']}, "
+                    "metrics.jsonl goes on holding every field"
+                )
+
+    def _kept(self, fix: str = "") -> str:
+        """The checkpoint a run that cannot go on leaves, and the command to go on from it."""
+        out = self.config.out
+        if self.saved_step is None:
+            return f"no checkpoint was written yet: {fix}start again with --out {out}"
+        return (
+            f"the checkpoint at step {self.saved_step} is still there: {fix}continue with: "
+            f"gradaccum train --resume --out {out}"
+        )
 
     def _close_tensorboard(self) -> None:
         if self.tensorboard is not None:
@@ -460,7 +489,7 @@ class Run:
         if self.is_main:
             try:
                 self.lock.acquire()
-            except BadInput as err:
+            except (BadInput, DiskFull) as err:
                 failed = err
         # Every rank leaves with the same error, or none of them waits on the others.
         if sync.max_over_ranks(int(failed is not None)):
@@ -469,27 +498,53 @@ class Run:
     # ---- the loop ----------------------------------------------------------------------
 
     def train(self, should_stop: Callable[[int], bool] | None) -> dict:
+        """Restore, start, loop, finish. A second Ctrl-C is a KeyboardInterrupt whose text
+        says at which step and which checkpoint is still there (exit 130, one line)."""
+        self.saved_step = self.ckpt.step if self.ckpt is not None else None
+        """The step of the newest checkpoint on disk (None before the first)."""
+        self.not_written: dict[str, str] = {}  # file -> why, for the closing line
+        self.failed_save: tuple[int, str] | None = None  # the last save that failed, and why
         with StopSignals() as signals:
             if self.ckpt is not None:
                 self.restore()
             try:
                 self.start()
                 stopped = self._loop(signals, should_stop)
-            except RuntimeError as err:
-                self.lock.release()
-                lost = self._lost(err)
+            except KeyboardInterrupt as err:
+                self._abandon_files()
+                raise self._interrupt(err) from None
+            except BaseException as err:
+                self._abandon_files()
+                if signals.interrupted or interrupted(err):  # a Ctrl-C a library reworded
+                    raise self._interrupt(KeyboardInterrupt()) from None
+                lost = self._lost(err) if isinstance(err, RuntimeError) else None
                 if lost is None:
                     raise
                 raise lost from None
-            except BaseException:
-                self.lock.release()
-                raise
             finally:
                 self._close_tensorboard()
-        try:
-            return self.finish(stopped)
-        finally:
-            self.lock.release()
+            try:  # still under the signals: one Ctrl-C here lets the run finish, two stop it
+                return self.finish(stopped)
+            except BaseException as err:
+                if not (signals.interrupted or interrupted(err)):
+                    raise
+                raise KeyboardInterrupt(
+                    f"while finishing at step {self.acc.steps}; {self._kept()}"
+                ) from None
+            finally:
+                self.lock.release()
+
+    def _abandon_files(self) -> None:
+        """On the way out of a run that did not finish: the lock released, metrics closed."""
+        self.lock.release()
+        if self.metrics is not None:
+            self.metrics.close()
+
+    def _interrupt(self, err: KeyboardInterrupt) -> KeyboardInterrupt:
+        """A second Ctrl-C, with the words `gradaccum: interrupted` is followed by."""
+        if str(err):  # save() said what it left
+            return err
+        return KeyboardInterrupt(f"at step {self.acc.steps}; {self._kept()}")
 
     def _lost(self, err: RuntimeError) -> RanksLost | None:
         """A collective that failed because another rank died or stopped answering, as one
@@ -680,7 +735,7 @@ class Run:
         if self.batching.varies:
             self._follow_batching(result)
         self.progress.update(
-            result.step, result.loss, result.tokens / dt, result.lr, now - self.here, done_here
+            result.step, result.loss, result.tokens, dt, result.lr, now - self.here, done_here
         )
 
     def _follow_batching(self, result: StepResult) -> None:
@@ -750,7 +805,9 @@ class Run:
 
     def save(self) -> None:
         """A checkpoint of the last finished window, unless one of it exists. A failed write
-        (a full disk) leaves the previous checkpoint and is said in one line; training goes on."""
+        (a full disk) leaves the previous checkpoint and is said in one line; training goes on.
+        A second Ctrl-C during the write leaves the previous one too, nothing half-written,
+        and says so in the KeyboardInterrupt's text."""
         step = self.acc.steps
         if step == self.last_saved:
             return
@@ -765,40 +822,102 @@ class Run:
                     run_config=self.config.to_dict(),
                     keep=self.config.keep_checkpoints,
                 )
-            except OSError as err:
+            except KeyboardInterrupt:
+                raise self._interrupted_save(step) from None
+            except (OSError, DiskFull) as err:
+                why = err.reason if isinstance(err, DiskFull) else err.strerror or first_line(err)
+                self.failed_save = (step, why)
                 self.progress.note(
-                    f"checkpoint at step {step} not written ({err.strerror or first_line(err)}); "
-                    f"the one at step {self.last_saved} is still there"
+                    f"checkpoint at step {step} not written ({why}); {self._older()}"
                 )
+            else:
+                self.saved_step = step
+        else:
+            self.saved_step = step  # rank 0 writes it; the others cannot tell
         if self.rank_info.world_size > 1:
             dist.barrier()
         self.last_saved = step
 
+    def _older(self) -> str:
+        root = os.path.join(self.config.out, checkpoint.CHECKPOINTS)
+        if self.saved_step is None:
+            return f"none is in {root} yet"
+        path = os.path.join(root, f"step-{self.saved_step:08d}")
+        return f"the one at step {self.saved_step} is still there ({path})"
+
+    def _interrupted_save(self, step: int) -> KeyboardInterrupt:
+        """A Ctrl-C during the save of `step`: made current before it landed (pruning the
+        older ones), or not made at all."""
+        root = os.path.join(self.config.out, checkpoint.CHECKPOINTS)
+        if checkpoint.read_latest_name(root) == f"step-{step:08d}":
+            self.saved_step = step
+            return KeyboardInterrupt(f"after the checkpoint at step {step}; {self._kept()}")
+        return KeyboardInterrupt(
+            f"during the checkpoint at step {step}, which was not written; {self._kept()}"
+        )
+
     def finish(self, stopped: str | None) -> dict:
-        """Export the model (a finished run only), plot the losses, return the summary."""
+        """Export the model (a finished run only), plot the losses, return the summary, with
+        the files written (`files`) and those not, and why (`not_written`). No room for the
+        export ends the run in one line (RunFailed) naming the checkpoint still there."""
         config, step = self.config, self.acc.steps
         if stopped:
-            self.console.say(
-                f"stopped by {stopped} at step {step}/{self.total}; checkpoint saved, "
-                f"continue with: gradaccum train --resume --out {config.out}"
-            )
-        records = []
+            self.console.say(self._stopped_line(stopped))
+        records, files = [], []
         if self.is_main:
             self.metrics.close()
             records = read_metrics(os.path.join(config.out, "metrics.jsonl"))
+            files = ["metrics.jsonl", "train.toml"]
             if stopped is None:
-                state = _unwrapped(self.model).state_dict()
-                checkpoint.save_model(config.out, state, self.model_info.config)
-            plot_loss(
-                records,
-                os.path.join(config.out, "loss.png"),
-                self.data_info.entropy_floor,
-                title=self._plot_title(records),
-            )
+                try:
+                    state = _unwrapped(self.model).state_dict()
+                    checkpoint.save_model(config.out, state, self.model_info.config)
+                except DiskFull as err:
+                    raise RunFailed(
+                        f"{err}; the run trained to step {step}/{self.total} but its model is "
+                        f"not exported, {self._kept('free space and ')}"
+                    ) from None
+                files += ["model.pt", "config.json"]
+            files += self._plot(records)
+            if config.tensorboard and "tensorboard/" not in self.not_written:
+                files.append("tensorboard/")
+            files += ["checkpoints/"] if self.saved_step is not None else []
         line = self.critical_batch_line()
         if line:
             self.console.say(line)
-        return self.summary(records, stopped)
+        summary = self.summary(records, stopped)
+        summary["files"] = files
+        summary["not_written"] = dict(self.not_written)
+        return summary
+
+    def _stopped_line(self, stopped: str) -> str:
+        head = f"stopped by {stopped} at step {self.acc.steps}/{self.total}"
+        if self.saved_step == self.acc.steps:
+            return (
+                f"{head}; checkpoint saved, continue with: gradaccum train --resume "
+                f"--out {self.config.out}"
+            )
+        failed = self.failed_save
+        if failed is not None and failed[0] == self.acc.steps:
+            kept = self._kept("free space and ")
+            return f"{head}; its checkpoint was not written ({failed[1]}), {kept}"
+        return f"{head}, before its first window: nothing to save; {self._kept()}"
+
+    def _plot(self, records: list[dict]) -> list[str]:
+        """loss.png: ["loss.png"] once written, else [] and why in `not_written`."""
+        try:
+            written = plot_loss(
+                records,
+                os.path.join(self.config.out, "loss.png"),
+                self.data_info.entropy_floor,
+                title=self._plot_title(records),
+            )
+        except DiskFull as err:
+            self.not_written["loss.png"] = err.reason
+            return []
+        if not written:
+            self.not_written["loss.png"] = "matplotlib not installed: pip install 'gradaccum[plot]'"
+        return ["loss.png"] if written else []
 
     def _plot_title(self, records: list[dict]) -> str:
         if not self.batching.varies:

@@ -11,7 +11,7 @@ import json
 import math
 import os
 
-from ..atomic import write_atomic, write_text_atomic
+from ..atomic import append_whole, write_atomic, write_text_atomic, writing
 
 # Fields that measure wall-clock time: they can never match between two runs.
 TIMING_FIELDS = ("tokens_per_s", "elapsed_s")
@@ -25,17 +25,20 @@ def _clean(value):
 
 
 class MetricsWriter:
-    """Appends one JSON object per line to `path`, flushed at once.
+    """Appends one JSON object per line to `path`, each line written whole or not at all and
+    visible at once (unbuffered).
 
     keep_lines: on resume, how many lines of an existing file to keep (the rest came after the
-    checkpoint and will be written again); None starts a new file.
+    checkpoint and will be written again); None starts a new file. No room on the disk raises
+    DiskFull naming the file, which then ends with its last whole line.
     """
 
     def __init__(self, path: str, keep_lines: int | None = None):
         self.path = path
         self.lines = 0
         if keep_lines is None:
-            self._file = open(path, "w", encoding="utf-8")
+            with writing(path):
+                self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o666)
             return
         kept = read_metrics_text(path)[:keep_lines] if os.path.exists(path) else []
         if len(kept) < keep_lines:
@@ -45,15 +48,18 @@ class MetricsWriter:
             )
         write_text_atomic(path, "".join(line + "\n" for line in kept))
         self.lines = len(kept)
-        self._file = open(path, "a", encoding="utf-8")
+        with writing(path):
+            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND)
 
     def write(self, record: dict) -> None:
-        self._file.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
-        self._file.flush()
+        line = json.dumps({k: _clean(v) for k, v in record.items()}) + "\n"
+        append_whole(self._fd, line.encode("utf-8"), self.path)
         self.lines += 1
 
     def close(self) -> None:
-        self._file.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
     def __enter__(self):
         return self
@@ -86,7 +92,8 @@ def plot_loss(
     """Write loss against tokens (and eval loss, and the floor) to `path`, atomically; where
     the records carry noise_scale_tokens, the noise scale in a second panel below.
 
-    Returns False, writing nothing, when matplotlib is not installed (an optional extra).
+    Returns False, writing nothing, when matplotlib is not installed (an optional extra);
+    raises DiskFull naming `path` when the disk has no room (the previous plot is kept).
     """
     try:
         import matplotlib
@@ -125,9 +132,11 @@ def plot_loss(
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    write_atomic(path, lambda f: fig.savefig(f, format="png"))
-    plt.close(fig)
+    try:
+        fig.tight_layout()
+        write_atomic(path, lambda f: fig.savefig(f, format="png"))  # no room: DiskFull
+    finally:
+        plt.close(fig)
     return True
 
 

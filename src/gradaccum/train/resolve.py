@@ -19,6 +19,7 @@ import torch
 from .. import devices
 from ..errors import BadInput
 from ..plan import Plan, PlanInputs, make_plan, render_table
+from .batching import AUTO, first_target, smallest_target
 from .config import DEFAULT_MAX_TOKENS, DEFAULT_TOKENS_PER_STEP, TrainConfig
 
 MAX_ACCUM_STEPS = 65536
@@ -90,6 +91,22 @@ def _largest_power_of_two(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
 
+def _targets(config: TrainConfig) -> tuple[int | None, int | None, str]:
+    """(the first window's tokens per step, the smallest any window takes, the flag that
+    set them): a batch schedule's first and smallest targets (`auto`: --min-tokens-per-step),
+    else --tokens-per-step (8192 unless --accum-steps sets the batch)."""
+    if config.batch_schedule == AUTO:
+        low = first_target(config)
+        return low, low, f"--min-tokens-per-step {low}"
+    if config.batch_schedule is not None:
+        schedule = f"--batch-schedule {config.batch_schedule}"
+        return first_target(config), smallest_target(config), schedule
+    target = config.tokens_per_step
+    if target is None and config.accum_steps is None:
+        target = DEFAULT_TOKENS_PER_STEP
+    return target, target, f"--tokens-per-step {target}"
+
+
 def resolve_plan(
     config: TrainConfig,
     model_info,
@@ -97,13 +114,12 @@ def resolve_plan(
     device: torch.device,
     batch_schedule: str | None = None,
 ) -> Resolved:
-    """Micro-batch, k, steps and warmup for `config` on `device`; BadInput if none. With a
-    (fixed) `batch_schedule`, `config` asks for its first batch, and the plan covers the
-    whole run phase by phase, as `gradaccum plan --batch-schedule` prints it."""
+    """Micro-batch, k, steps and warmup for `config` on `device`; BadInput if none. A
+    --batch-schedule run's batch rows are its first window's. With a (fixed)
+    `batch_schedule`, the plan covers the whole run phase by phase with its --lr-rule and
+    --lr, as `gradaccum plan --batch-schedule ... --base-lr ... --lr-rule ...` prints it."""
     seq_len, k = config.seq_len, config.accum_steps
-    target = config.tokens_per_step
-    if target is None and k is None:
-        target = DEFAULT_TOKENS_PER_STEP
+    target, smallest, flag = _targets(config)
     base = dict(
         seq_len=seq_len,
         gpus=world_size,
@@ -117,10 +133,13 @@ def resolve_plan(
         flash_attention=device.type == "cuda",
         device_memory=devices.total_memory_bytes(device),
     )
-    per_rank_seq = None if target is None else target // (seq_len * world_size)
+    per_rank_seq = None if target is None else smallest // (seq_len * world_size)
     if target is not None and per_rank_seq < 1:
+        what = ""
+        if config.batch_schedule not in (None, AUTO):  # name the point, not a flag not given
+            what = f"its smallest target, {smallest} tokens per step, is "
         raise BadInput(
-            f"--tokens-per-step {target}: below one sequence of --seq-len {seq_len} on each of "
+            f"{flag}: {what}below one sequence of --seq-len {seq_len} on each of "
             f"{world_size} rank(s)"
         )
 
@@ -148,7 +167,7 @@ def resolve_plan(
     )
     batch = {"accum_steps": k} if k is not None else {"target_tokens": target}
     if batch_schedule is not None:
-        batch = {"batch_schedule": batch_schedule}
+        batch = {"batch_schedule": batch_schedule, "lr_rule": config.lr_rule, "base_lr": config.lr}
     plan = make_plan(PlanInputs(micro_batch=micro, **batch, **length, **base))
     if plan.accum_steps > MAX_ACCUM_STEPS:
         raise BadInput(

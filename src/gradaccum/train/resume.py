@@ -21,7 +21,7 @@ from dataclasses import replace
 
 from ..errors import BadInput, flag_name
 from . import checkpoint
-from .config import FLAGS, TrainConfig, merge_settings
+from .config import DEFAULT_PRESET, FLAGS, TrainConfig, merge_settings
 from .metrics import read_metrics_text
 from .schedule import Schedule
 
@@ -70,12 +70,18 @@ def _no_checkpoint(out: str, skipped: list[str]):
 
 def open_checkpoint(config: TrainConfig, say) -> checkpoint.Checkpoint:
     """The newest intact checkpoint in --out, after refusing the changes no resume may make.
-    Each damaged newer checkpoint is named in one line through `say`."""
+    Each damaged or unverifiable newer checkpoint is named in one line through `say`, and so
+    is resuming from one without its manifest (no verified one left)."""
     path, skipped = checkpoint.newest_intact(config.out)
     if path is None:
         _no_checkpoint(config.out, skipped)
     for line in skipped:
         say(f"checkpoint {line}: skipped, resuming from {os.path.basename(path)}")
+    if not checkpoint.verifiable(path):
+        say(
+            f"checkpoint {os.path.basename(path)}: no {checkpoint.MANIFEST}, so it cannot be "
+            "verified; resuming from it since it loads and no verified checkpoint is left"
+        )
     ckpt = checkpoint.load(path)
     saved = ckpt.trainer_state["config"]
     for name, why in REFUSED.items():
@@ -83,9 +89,41 @@ def open_checkpoint(config: TrainConfig, say) -> checkpoint.Checkpoint:
             raise BadInput(
                 flag_name(name),
                 getattr(config, name),
-                f"the run in {config.out} was trained with {saved[name]}; {why}",
+                f"the run in {config.out} was trained with {as_trained(name, ckpt)}; {why}",
             )
     return ckpt
+
+
+def as_trained(name: str, ckpt) -> str:
+    """What the checkpoint's run had for setting `name`, in the words of the command line:
+    `--seq-len 16`, or for a setting left to its default what that default was."""
+    saved = ckpt.trainer_state["config"]
+    value = saved.get(name)
+    if value is not None:
+        return f"{flag_name(name)} {value}"
+    if name in ("model", "model_config", "init_from"):
+        return _model_as_trained(saved)
+    if name == "warmup_steps":
+        warmup = ckpt.trainer_state.get("schedule", {}).get("warmup_steps")
+        unit = "tokens" if saved.get("batch_schedule") is not None else "steps"
+        return "the default warmup" + ("" if warmup is None else f" ({warmup:,} {unit})")
+    if name == "batch_schedule":
+        tokens = ckpt.trainer_state.get("plan", {}).get("tokens_per_step")
+        each = "" if tokens is None else f" ({tokens:,} tokens per step)"
+        return f"no --batch-schedule: one batch throughout{each}"
+    return f"no {flag_name(name)} (its default)"
+
+
+def _model_as_trained(saved: dict) -> str:
+    """Where the run's model came from, for a refusal of --model, --model-config or
+    --init-from."""
+    if saved.get("init_from") is not None:
+        return f"the weights of --init-from {saved['init_from']}"
+    if saved.get("model_config") is not None:
+        return f"the model of --model-config {saved['model_config']}"
+    if saved.get("model") is not None:
+        return f"--model {saved['model']}"
+    return f"the built-in default model (--model {DEFAULT_PRESET}), initialised at random"
 
 
 def check_data(config: TrainConfig, ckpt, data_info) -> list[str]:

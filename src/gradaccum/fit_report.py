@@ -1,0 +1,95 @@
+"""`gradaccum fit`'s result for people: the candidates measured, the choice, the global batch
+it gives, and what the choice traded (the exact batch for speed, or the other way round)."""
+
+from __future__ import annotations
+
+import io
+from typing import TYPE_CHECKING
+
+from rich.console import Console
+from rich.table import Table
+
+from .fit_search import EXACT, MAX_NOISE
+from .plan.sizes import fmt_bytes, fmt_int
+
+if TYPE_CHECKING:
+    from .fit import FitResult
+
+
+def render_table(result: FitResult) -> str:
+    """The candidates as a table (each with the k and the global batch it would give), the
+    choice, the global batch k gives, and why the choice is off the target when it is."""
+    target = result.target
+    table = Table(title="micro-batch candidates (measured)", title_justify="left")
+    names = ("micro-batch", "tokens", "checkpointing", "fits", "tokens/s", "peak memory")
+    for name in (*names, "k", "vs target", ""):
+        table.add_column(name, justify="left" if name in ("checkpointing", "fits") else "right")
+    for c in sorted(result.candidates, key=lambda c: (c.checkpointing, c.micro_batch)):
+        mark = ""
+        if (c.micro_batch, c.checkpointing) == (result.micro_batch, result.checkpointing):
+            mark = "<- chosen"
+        table.add_row(
+            str(c.micro_batch),
+            fmt_int(c.micro_batch * result.seq_len),
+            "on" if c.checkpointing else "off",
+            "yes" if c.fits else f"no ({c.why})",
+            "-" if c.tokens_per_s is None else fmt_int(round(c.tokens_per_s)),
+            "-" if c.peak_memory_bytes is None else fmt_bytes(c.peak_memory_bytes),
+            str(target.accum_steps(c.micro_batch)) if c.fits else "-",
+            f"{target.deviation(c.micro_batch):+.2%}" if c.fits else "-",
+            mark,
+        )
+    out = io.StringIO()
+    Console(file=out, width=120, color_system=None, emoji=False).print(table)
+    lines = [out.getvalue().rstrip("\n")]
+    if result.budget_bytes is not None:
+        source = result.memory.source if result.memory else "measured"
+        lines.append(f"memory budget {fmt_bytes(result.budget_bytes)} ({source})")
+    ckpt = "on" if result.checkpointing else "off"
+    lines.append(
+        f"chosen: micro-batch {result.micro_batch} ({fmt_int(result.micro_batch * result.seq_len)}"
+        f" tokens), activation checkpointing {ckpt}"
+    )
+    lines.append(
+        f"k = {result.accum_steps}: global batch {fmt_int(result.global_batch_tokens)} tokens "
+        f"= {result.micro_batch} x {result.seq_len} x {result.accum_steps} x "
+        f"{result.world_size} rank(s), {result.target_deviation:+.2%} from the target "
+        f"{fmt_int(result.target_tokens)}"
+    )
+    return "\n".join(lines + choice_notes(result)) + "\n"
+
+
+def choice_notes(result: FitResult) -> list[str]:
+    """Lines for a choice that trades the exact batch for speed, or the other way round:
+    a choice off the target against the fastest size that lands on it, and a faster size
+    left out for being past --batch-tolerance."""
+    target, tol = result.target, f"{100 * result.batch_tolerance:g}%"
+    timed = [c for c in result.candidates if c.fits and c.tokens_per_s]
+    chosen = result.tokens_per_s
+    lines = []
+    if not timed or not chosen:
+        return lines
+    if not target.lands(result.micro_batch):
+        exact = [c for c in timed if target.lands(c.micro_batch)]
+        head = (
+            f"the global batch is {result.target_deviation:+.2%} off the target, within "
+            f"--batch-tolerance {tol}"
+        )
+        if not exact:
+            lines.append(f"{head}; no size timed lands within {EXACT:.0%} of it")
+        else:
+            e = max(exact, key=lambda c: c.tokens_per_s)
+            lines.append(
+                f"{head}: micro-batch {result.micro_batch} runs {chosen / e.tokens_per_s:.2f}x "
+                f"as fast as the fastest size landing within {EXACT:.0%} of it ({e.micro_batch} "
+                f"x k {target.accum_steps(e.micro_batch)}, {fmt_int(round(e.tokens_per_s))} "
+                "tokens/s); --batch-tolerance 0 keeps the target"
+            )
+    fastest = max(timed, key=lambda c: c.tokens_per_s)
+    if fastest.tokens_per_s > chosen * (1 + MAX_NOISE):
+        lines.append(
+            f"micro-batch {fastest.micro_batch} ran {fastest.tokens_per_s / chosen:.2f}x as fast"
+            f" but lands {target.deviation(fastest.micro_batch):+.2%} from the target, past "
+            f"--batch-tolerance {tol}"
+        )
+    return lines
