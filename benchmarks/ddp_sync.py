@@ -23,11 +23,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from gradaccum import Accumulator, devices, sync
-from gradaccum.atomic import exit_on_disk_full, write_text_atomic
-from gradaccum.distributed import init_distributed, teardown
+from gradaccum import Accumulator
+from gradaccum.models.gpt import GPT, PRESETS, GPTConfig, causal_lm_loss
+from gradaccum.parallel import devices, sync
+from gradaccum.parallel.process_group import init_distributed, teardown
 from gradaccum.testing import run_ranks
-from gradaccum.train.model import GPT, PRESETS, GPTConfig, causal_lm_loss
+from gradaccum.utils.atomic import exit_on_disk_full, write_text_atomic
 
 IGNORE = -100
 

@@ -20,9 +20,10 @@ import time
 
 import torch
 
-from gradaccum import Accumulator, devices
-from gradaccum.atomic import exit_on_disk_full, write_text_atomic
-from gradaccum.train.model import GPT, GPTConfig, causal_lm_loss
+from gradaccum import Accumulator
+from gradaccum.models.gpt import GPT, GPTConfig, causal_lm_loss
+from gradaccum.parallel import devices
+from gradaccum.utils.atomic import exit_on_disk_full, write_text_atomic
 
 IGNORE = -100
 

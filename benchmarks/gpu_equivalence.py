@@ -19,10 +19,10 @@ import sys
 
 import torch.distributed as dist
 
-from gradaccum.atomic import exit_on_disk_full, write_text_atomic
-from gradaccum.distributed import init_distributed, teardown
+from gradaccum.models.gpt import GPT, GPTConfig
+from gradaccum.parallel.process_group import init_distributed, teardown
 from gradaccum.testing import EquivalenceSetup, compare, run_check_rank, single_process_run
-from gradaccum.train.model import GPT, GPTConfig
+from gradaccum.utils.atomic import exit_on_disk_full, write_text_atomic
 
 
 def small_gpt(seed: int):

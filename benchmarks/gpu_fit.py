@@ -23,11 +23,12 @@ import time
 
 import torch
 
-from gradaccum import devices, fit
-from gradaccum.atomic import exit_on_disk_full, write_text_atomic
+from gradaccum import fit
+from gradaccum.engine.precision import autocast_dtype
+from gradaccum.models.gpt import build_model, causal_lm_loss
+from gradaccum.parallel import devices
 from gradaccum.plan.sizes import parse_count
-from gradaccum.precision import autocast_dtype
-from gradaccum.train.model import build_model, causal_lm_loss
+from gradaccum.utils.atomic import exit_on_disk_full, write_text_atomic
 
 VOCAB = 50257
 

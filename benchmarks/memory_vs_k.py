@@ -23,9 +23,10 @@ from collections.abc import Sequence
 
 import torch
 
-from gradaccum import Accumulator, devices
-from gradaccum.atomic import exit_on_disk_full, write_text_atomic
-from gradaccum.train.model import GPT, GPTConfig, causal_lm_loss
+from gradaccum import Accumulator
+from gradaccum.models.gpt import GPT, GPTConfig, causal_lm_loss
+from gradaccum.parallel import devices
+from gradaccum.utils.atomic import exit_on_disk_full, write_text_atomic
 
 IGNORE = -100
 SHAPE = {"n_layer": 2, "n_head": 4, "n_embd": 128}

@@ -34,7 +34,7 @@ from reference import (  # noqa: E402
 )
 
 from gradaccum import Accumulator  # noqa: E402
-from gradaccum.atomic import exit_on_disk_full, write_text_atomic
+from gradaccum.utils.atomic import exit_on_disk_full, write_text_atomic
 
 SEEDS = range(3)
 

@@ -34,8 +34,8 @@ from reference import (  # noqa: E402
 )
 
 from gradaccum import Accumulator  # noqa: E402
-from gradaccum.atomic import exit_on_disk_full, write_text_atomic  # noqa: E402
 from gradaccum.testing import run_ranks  # noqa: E402
+from gradaccum.utils.atomic import exit_on_disk_full, write_text_atomic  # noqa: E402
 
 K = 4
 FP16_WINDOWS = 6

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradaccum import Accumulator
-from gradaccum.distributed import aligned_windows, init_distributed, teardown
-from gradaccum.train.model import GPT, GPTConfig
+from gradaccum.models.gpt import GPT, GPTConfig
+from gradaccum.parallel.process_group import aligned_windows, init_distributed, teardown
 
 
 def loss_fn(model, batch):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from gradaccum.models.gpt import GPT, GPTConfig
 from gradaccum.testing import (  # noqa: F401 - re-exported for the tests
     IGNORE_INDEX,
     GradRecorder,
@@ -22,7 +23,6 @@ from gradaccum.testing import (  # noqa: F401 - re-exported for the tests
     rel_error,
     token_loss,
 )
-from gradaccum.train.model import GPT, GPTConfig
 
 IGNORE = IGNORE_INDEX
 

@@ -1,4 +1,4 @@
-"""gradaccum.atomic: a file is replaced whole or not at all, with a plain open's permissions."""
+"""gradaccum.utils.atomic: a file is replaced whole or not at all, with a plain open's permissions."""
 
 import errno
 import os
@@ -10,8 +10,8 @@ import textwrap
 import pytest
 import torch
 
-from gradaccum.atomic import append_whole, fsync_dir, write_atomic, write_text_atomic
-from gradaccum.errors import DiskFull
+from gradaccum.utils.atomic import append_whole, fsync_dir, write_atomic, write_text_atomic
+from gradaccum.utils.errors import DiskFull
 
 
 def leftovers(folder) -> list[str]:
@@ -69,7 +69,7 @@ def test_fsync_dir_accepts_a_folder(tmp_path):
 KILLED = textwrap.dedent(
     """
     import sys, time
-    from gradaccum.atomic import write_atomic
+    from gradaccum.utils.atomic import write_atomic
 
     def slow(f):
         f.write(b"new " * 1000)

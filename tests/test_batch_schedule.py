@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradaccum.errors import BadInput
 from gradaccum.plan.batch_schedule import LR_RULES, parse_batch_schedule, phases
 from gradaccum.plan.schedule_plan import plan_schedule
+from gradaccum.utils.errors import BadInput
 
 
 def test_step_wise_schedule_by_hand():

@@ -14,8 +14,8 @@ from gradaccum.bench import BenchConfig, render_table, run_bench, to_json
 from gradaccum.bench.data import make_windows
 from gradaccum.cli import bench as bench_cli
 from gradaccum.cli.common import ArgumentParser
-from gradaccum.errors import BadInput
-from gradaccum.train.model import build_model
+from gradaccum.models.gpt import build_model
+from gradaccum.utils.errors import BadInput
 
 SMALL = {"micro_batch": 2, "accum_steps": 4, "seq_len": 16, "rounds": 1, "windows": 1}
 RESULT_FIELDS = {

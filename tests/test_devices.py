@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradaccum import devices
+from gradaccum.parallel import devices
 
 
 def test_cpu_is_always_available_and_unknown_kinds_are_named():
@@ -123,7 +123,7 @@ def test_every_command_refuses_a_device_it_cannot_use_in_one_line(
 
 
 def test_an_index_is_checked_against_the_devices_present(monkeypatch):
-    from gradaccum.errors import BadInput
+    from gradaccum.utils.errors import BadInput
 
     monkeypatch.setattr(devices, "available", lambda kind: kind in ("cpu", "cuda"))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

@@ -19,7 +19,7 @@ from reference import (
 )
 
 from gradaccum import Accumulator, windows
-from gradaccum.engine import backward_scale, count_labels
+from gradaccum.engine.accumulator import backward_scale, count_labels
 from gradaccum.testing import adamw_drift_bound, record_grads
 
 MODELS = {"mlp": make_mlp, "gpt": make_gpt}

@@ -3,7 +3,7 @@
 import pytest
 
 from gradaccum.cli import main
-from gradaccum.errors import BadInput, first_line, flag_name
+from gradaccum.utils.errors import BadInput, first_line, flag_name
 
 
 def test_the_message_is_one_line_naming_the_flag_and_value():
@@ -24,11 +24,11 @@ def test_flag_name_and_first_line():
 
 
 def test_every_part_raises_the_one_type():
+    from gradaccum.data.tokens import load_tokens
+    from gradaccum.models.gpt import build_model
     from gradaccum.plan import PlanError, PlanInputs
     from gradaccum.plan.sizes import parse_count
     from gradaccum.train.config import TrainConfig
-    from gradaccum.train.data import load_tokens
-    from gradaccum.train.model import build_model
 
     assert PlanError is BadInput
     cases = [

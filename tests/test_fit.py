@@ -14,9 +14,10 @@ import weakref
 import pytest
 import torch
 
-from gradaccum import fit, fit_search
+from gradaccum import fit
 from gradaccum.cli import COMMANDS, main
-from gradaccum.train.model import GPT, GPTConfig, causal_lm_loss
+from gradaccum.fit import search as fit_search
+from gradaccum.models.gpt import GPT, GPTConfig, causal_lm_loss
 
 SEQ = 32
 VOCAB = 64
@@ -38,7 +39,7 @@ def make_batch(micro_batch: int) -> dict:
 @pytest.fixture(autouse=True)
 def short_timing(monkeypatch):
     # Speed is not under test here: time each candidate with the fewest steps.
-    monkeypatch.setattr(fit, "TIMED_SECONDS", 0.0)
+    monkeypatch.setattr(fit.probe, "TIMED_SECONDS", 0.0)
 
 
 _MEASURED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -279,7 +280,7 @@ def test_fit_takes_a_faster_size_off_the_exact_batch_and_says_so(monkeypatch, ca
     def fake_time(self, cand):
         cand.tokens_per_s, cand.noise = speed(cand.micro_batch) * SEQ / 128, 0.03
 
-    monkeypatch.setattr(fit._Prober, "time", fake_time)
+    monkeypatch.setattr(fit.probe._Prober, "time", fake_time)
     result = fit.find_micro_batch(
         tiny_model(), make_batch, causal_lm_loss, seq_len=SEQ, tokens_per_step=125 * SEQ,
         try_checkpointing=False,

@@ -8,7 +8,7 @@ import torch
 
 from gradaccum import Accumulator, hf, verify
 from gradaccum.testing import GradRecorder, max_rel_error
-from gradaccum.verification import concat_batches, sample_batches
+from gradaccum.verification.check import concat_batches, sample_batches
 
 transformers = pytest.importorskip("transformers")
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from reference import IGNORE, make_gpt, token_loss
 
 from gradaccum import Accumulator
-from gradaccum.noise import NoiseScale, window_estimates
+from gradaccum.engine.noise import NoiseScale, window_estimates
 
 # ---- linear regression: tr(Sigma) and |G|^2 in closed form --------------------------------
 #

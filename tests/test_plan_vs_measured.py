@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from gradaccum import fit
+from gradaccum.models.gpt import build_model, causal_lm_loss
 from gradaccum.plan import memory as mem
 from gradaccum.plan.presets import ModelShape, preset
-from gradaccum.train.model import build_model, causal_lm_loss
 
 SEQ = 128
 TERMS = ("params", "grads", "optimizer", "activations")

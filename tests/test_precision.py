@@ -19,7 +19,7 @@ from reference import (
 )
 
 from gradaccum import Accumulator
-from gradaccum.precision import LossScaler
+from gradaccum.engine.precision import LossScaler
 from gradaccum.testing import adamw_drift_bound, record_grads
 
 

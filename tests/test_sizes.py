@@ -2,7 +2,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gradaccum.errors import BadInput
 from gradaccum.plan.sizes import (
     fmt_count,
     fmt_count_exact,
@@ -11,6 +10,7 @@ from gradaccum.plan.sizes import (
     parse_float,
     parse_seconds,
 )
+from gradaccum.utils.errors import BadInput
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from gradaccum import sync
+from gradaccum.parallel import sync
 
 
 def test_a_plain_module_is_one_device():

@@ -15,18 +15,18 @@ from reference import make_gpt
 
 from gradaccum import verify
 from gradaccum.cli import main
-from gradaccum.errors import BadInput
-from gradaccum.precision_study import (
+from gradaccum.models.gpt import GPT, GPTConfig
+from gradaccum.testing import big_batch_grads, max_rel_error, token_loss
+from gradaccum.utils.errors import BadInput
+from gradaccum.verification.check import TOLERANCES, WRONG_WAYS, concat_batches, sample_batches
+from gradaccum.verification.precision_study import (
     PRECISION_MODES,
     derive_tolerances,
     nice_ceil,
     precision_study,
     write_plot,
 )
-from gradaccum.processes import RANK_BASE_BYTES, RANKS_PER_CORE, rank_capacity
-from gradaccum.testing import big_batch_grads, max_rel_error, token_loss
-from gradaccum.train.model import GPT, GPTConfig
-from gradaccum.verification import TOLERANCES, WRONG_WAYS, concat_batches, sample_batches
+from gradaccum.verification.ranks import RANK_BASE_BYTES, RANKS_PER_CORE, rank_capacity
 
 K = 4
 

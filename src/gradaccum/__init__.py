@@ -14,7 +14,7 @@ def __getattr__(name):
     if name == "verify":
         # the function; its module is gradaccum.verification (a module of the same name as
         # the function would replace it here once imported)
-        from .verification import verify
+        from .verification.check import verify
 
         return verify
     raise AttributeError(name)

@@ -3,15 +3,15 @@
 Two kinds of helper, public so that the project's tests, `gradaccum verify --world-size` and
 the benchmarks share one copy, and so that users can check their own setups the same way:
 
-- big-batch references (`gradaccum.references`; docs/design.md, "Numerical rules"): every
+- big-batch references (`gradaccum.verification.references`; docs/design.md, "Numerical rules"): every
   micro-batch padded to one length, stacked into one batch, one forward and one backward of
   the summed token loss divided by the valid-token count, in any dtype float64 included
   (`big_batch_grads`), or the per-micro-batch gradients summed exactly in float64
   (`exact_fp64_sum`); and how far two AdamW runs whose gradients agree only to rounding can
   drift apart (`adamw_drift_bound`);
-- the distributed harness: `run_ranks` (`gradaccum.processes`) starts N processes joined by
+- the distributed harness: `run_ranks` (`gradaccum.verification.ranks`) starts N processes joined by
   gloo on CPU, the way torchrun starts them on one node, none outliving its parent;
-  `check_equivalence` (`gradaccum.equivalence`) runs accumulation under DDP or FSDP2 on them
+  `check_equivalence` (`gradaccum.verification.equivalence`) runs accumulation under DDP or FSDP2 on them
   and compares each window, from the same parameters, with one process taking it as one
   batch.
 
@@ -21,8 +21,8 @@ module builds none of its own.
 
 from __future__ import annotations
 
-from .bigbatch import IGNORE_INDEX
-from .equivalence import (
+from .verification.bigbatch import IGNORE_INDEX
+from .verification.equivalence import (
     WRAPPERS,
     EquivalenceReport,
     EquivalenceSetup,
@@ -38,8 +38,8 @@ from .equivalence import (
     step_tolerance,
     wrap,
 )
-from .processes import check_world_size, free_port, rank_capacity, run_ranks
-from .references import (
+from .verification.ranks import check_world_size, free_port, rank_capacity, run_ranks
+from .verification.references import (
     GradRecorder,
     adam_ratio_bound,
     adamw,

@@ -10,7 +10,7 @@ import pytest
 from gradaccum.data.sft import load_sft, tokenize_rows
 from gradaccum.data.sft_rows import rows_from_dicts
 from gradaccum.data.tokenizers import load_tokenizer
-from gradaccum.errors import BadInput
+from gradaccum.utils.errors import BadInput
 
 GOOD = {"prompt": "reverse: ab\n", "completion": "ba"}
 CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from gradaccum.data.sft_batches import SFTBatches, split_heldout, split_window
 from gradaccum.data.sft_examples import make_example
-from gradaccum.errors import BadInput
+from gradaccum.utils.errors import BadInput
 
 
 def toy_examples(lengths, targets=None):

@@ -11,7 +11,7 @@ from gradaccum.data.sft_eval import exact_match, greedy_generate, heldout_loss
 from gradaccum.data.sft_examples import make_example
 from gradaccum.data.sft_rows import rows_from_dicts
 from gradaccum.data.tokenizers import ByteTokenizer
-from gradaccum.train.model import GPT, GPTConfig
+from gradaccum.models.gpt import GPT, GPTConfig
 
 
 class Oracle(torch.nn.Module):

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from gradaccum import Accumulator, hf
 from gradaccum.data.sft import load_sft
 from gradaccum.data.sft_batches import SFTBatches, collate
-from gradaccum.engine import count_labels
-from gradaccum.train.model import GPT, GPTConfig, causal_lm_loss
+from gradaccum.engine.accumulator import count_labels
+from gradaccum.models.gpt import GPT, GPTConfig, causal_lm_loss
 
 ROWS = [
     {"prompt": "reverse: abc\n", "completion": "cba"},

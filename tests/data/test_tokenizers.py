@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gradaccum.data.tokenizers import BYTE_VOCAB, ByteTokenizer, Tokenizer, load_tokenizer
-from gradaccum.errors import BadInput
+from gradaccum.utils.errors import BadInput
 
 
 def test_byte_tokenizer_ids_are_utf8_bytes():

@@ -16,8 +16,9 @@ from reference import GradRecorder, big_batch_grads, make_gpt, max_rel_error, to
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from gradaccum import Accumulator, sync
-from gradaccum.distributed import aligned_windows
+from gradaccum import Accumulator
+from gradaccum.parallel import sync
+from gradaccum.parallel.process_group import aligned_windows
 from gradaccum.testing import run_ranks
 
 from .ranks import (

@@ -18,7 +18,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from gradaccum import Accumulator, sync
+from gradaccum import Accumulator
+from gradaccum.parallel import sync
 from gradaccum.testing import run_ranks
 
 from .ranks import TIMEOUT_S, full, rank_data, record_grads

@@ -10,7 +10,7 @@ import torch
 from reference import big_batch_grads, make_gpt, max_rel_error, token_loss
 
 from gradaccum import Accumulator
-from gradaccum.distributed import aligned_windows
+from gradaccum.parallel.process_group import aligned_windows
 from gradaccum.testing import run_ranks
 
 from .ranks import (

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradaccum import distributed, sync
-from gradaccum.distributed import aligned_windows, env_ranks, init_distributed
+from gradaccum.parallel import process_group as distributed
+from gradaccum.parallel import sync
+from gradaccum.parallel.process_group import aligned_windows, env_ranks, init_distributed
 from gradaccum.testing import run_ranks
 
 

@@ -17,8 +17,8 @@ import time
 
 import pytest
 
-from gradaccum.processes import RANKS_PER_CORE, rank_capacity, usable_cores
 from gradaccum.testing import run_ranks
+from gradaccum.verification.ranks import RANKS_PER_CORE, rank_capacity, usable_cores
 
 pytestmark = pytest.mark.slow
 

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
+from gradaccum.data.corpus import MarkovCorpus
 from gradaccum.testing import adamw_drift_bound
 from gradaccum.train import checkpoint
-from gradaccum.train.corpus import MarkovCorpus
 from gradaccum.train.loop import TrainConfig, train
 from gradaccum.train.metrics import read_metrics
 

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import torch
 
+from gradaccum.data.corpus import MarkovCorpus
 from gradaccum.testing import adamw_drift_bound, run_ranks
 from gradaccum.train import checkpoint
 from gradaccum.train.config import TrainConfig
-from gradaccum.train.corpus import MarkovCorpus
 from gradaccum.train.loop import train
 from gradaccum.train.metrics import read_metrics
 

@@ -13,7 +13,7 @@ import pytest
 from gradaccum.cli import build_parser, main
 from gradaccum.cli import verify as verify_cli
 from gradaccum.testing import check_equivalences, rank_batches
-from gradaccum.verification import TOLERANCES
+from gradaccum.verification.check import TOLERANCES
 
 pytestmark = pytest.mark.slow
 

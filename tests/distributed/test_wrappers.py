@@ -26,7 +26,7 @@ from reference import (
 from torch.nn.parallel import DistributedDataParallel
 
 from gradaccum import Accumulator
-from gradaccum.distributed import aligned_windows
+from gradaccum.parallel.process_group import aligned_windows
 from gradaccum.testing import run_ranks
 
 from .ranks import TIMEOUT_S, K, full, global_windows, one_thread, rank_data, valid_tokens

@@ -10,9 +10,9 @@ import os
 import pytest
 import torch
 
-from gradaccum.errors import BadInput
 from gradaccum.models import hf_folder
-from gradaccum.train.model import build_model
+from gradaccum.models.gpt import build_model
+from gradaccum.utils.errors import BadInput
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")

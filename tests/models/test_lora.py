@@ -12,10 +12,10 @@ from dataclasses import fields
 import pytest
 import torch
 
-from gradaccum.errors import BadInput
 from gradaccum.models import lora
+from gradaccum.models.gpt import GPT, GPTConfig, build_model, causal_lm_loss
 from gradaccum.plan import memory, presets
-from gradaccum.train.model import GPT, GPTConfig, build_model, causal_lm_loss
+from gradaccum.utils.errors import BadInput
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")

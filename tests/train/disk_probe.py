@@ -158,11 +158,11 @@ def writers(disk: Disk) -> dict:
     each writes again."""
     import torch
 
-    from gradaccum.atomic import write_text_atomic
-    from gradaccum.precision_study import StudyPoint, write_plot
     from gradaccum.train import checkpoint
     from gradaccum.train.lock import RunLock
     from gradaccum.train.metrics import MetricsWriter, plot_loss, read_metrics
+    from gradaccum.utils.atomic import write_text_atomic
+    from gradaccum.verification.precision_study import StudyPoint, write_plot
 
     f = disk.folder
     run = os.path.join(f, "run")

@@ -6,7 +6,7 @@ import os
 import numpy as np
 
 from gradaccum.cli import main
-from gradaccum.train.corpus import MarkovCorpus
+from gradaccum.data.corpus import MarkovCorpus
 from gradaccum.train.metrics import read_metrics, without_timing
 
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from gradaccum.errors import DiskFull
 from gradaccum.train import checkpoint
+from gradaccum.utils.errors import DiskFull
 
 
 def state(step: int) -> tuple[dict, dict, dict]:

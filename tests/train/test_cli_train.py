@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from gradaccum.cli import main
-from gradaccum.train.corpus import MarkovCorpus
+from gradaccum.data.corpus import MarkovCorpus
 
 from .helpers import one_line_error
 

@@ -7,8 +7,8 @@ from dataclasses import fields
 import pytest
 
 from gradaccum.cli import build_parser
-from gradaccum.errors import BadInput
 from gradaccum.train.config import FLAGS, TrainConfig, merge_settings
+from gradaccum.utils.errors import BadInput
 
 
 def test_building_a_config_touches_no_file_clock_or_torch():

@@ -7,15 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from gradaccum.errors import BadInput
-from gradaccum.train.corpus import markov_entropy_rate, stationary_distribution
-from gradaccum.train.data import (
-    Batches,
-    MarkovCorpus,
-    TokenDataset,
-    eval_batches,
-    load_tokens,
-)
+from gradaccum.data.corpus import markov_entropy_rate, stationary_distribution
+from gradaccum.data.tokens import Batches, MarkovCorpus, TokenDataset, eval_batches, load_tokens
+from gradaccum.utils.errors import BadInput
 
 
 def h(p):

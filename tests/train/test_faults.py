@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 
 from gradaccum.cli import main
-from gradaccum.errors import DiskFull
+from gradaccum.data.corpus import MarkovCorpus
 from gradaccum.train import checkpoint, tensorboard
 from gradaccum.train import loop as train_loop
 from gradaccum.train.config import TrainConfig
-from gradaccum.train.corpus import MarkovCorpus
 from gradaccum.train.loop import train
 from gradaccum.train.metrics import read_metrics, without_timing
+from gradaccum.utils.errors import DiskFull
 
 from .helpers import one_line_error
 

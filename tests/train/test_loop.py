@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
+from gradaccum.data.corpus import MarkovCorpus
+from gradaccum.models.gpt import build_model
 from gradaccum.testing import adamw_drift_bound
-from gradaccum.train.corpus import MarkovCorpus
 from gradaccum.train.loop import TrainConfig, train
 from gradaccum.train.metrics import read_metrics, without_timing
-from gradaccum.train.model import build_model
 from gradaccum.train.resolve import resolve_plan
 
 

@@ -6,14 +6,8 @@ import math
 import pytest
 import torch
 
-from gradaccum.errors import BadInput
-from gradaccum.train.model import (
-    GPT,
-    PRESETS,
-    GPTConfig,
-    build_model,
-    causal_lm_loss,
-)
+from gradaccum.models.gpt import GPT, PRESETS, GPTConfig, build_model, causal_lm_loss
+from gradaccum.utils.errors import BadInput
 
 
 def small_gpt(dropout=0.0, seed=0, **kw):

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from gradaccum.cli import main
+from gradaccum.data.corpus import MarkovCorpus
 from gradaccum.plan.sizes import fmt_count
-from gradaccum.train.corpus import MarkovCorpus
 from gradaccum.train.loop import TrainConfig, train
 from gradaccum.train.metrics import read_metrics
 

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from gradaccum.cli import main
-from gradaccum.errors import BadInput
+from gradaccum.data.corpus import MarkovCorpus
 from gradaccum.train import checkpoint, resume
 from gradaccum.train.config import TrainConfig
-from gradaccum.train.corpus import MarkovCorpus
 from gradaccum.train.loop import train
 from gradaccum.train.metrics import read_metrics, without_timing
+from gradaccum.utils.errors import BadInput
 
 from . import helpers
 

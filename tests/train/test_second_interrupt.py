@@ -22,8 +22,8 @@ import time
 import numpy as np
 import pytest
 
+from gradaccum.data.corpus import MarkovCorpus
 from gradaccum.train import checkpoint
-from gradaccum.train.corpus import MarkovCorpus
 
 from .processes import in_session
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from ..errors import BadInput, flag_name
+from ..utils.errors import BadInput, flag_name
 
 PEERS = ("accelerate", "trainer", "lightning")
 """The peers a user would pick, by the name `--peers` takes."""
@@ -65,7 +65,7 @@ class BenchConfig:
             raise BadInput("--device", repr(self.device), "expected a device name")
 
     def _check_preset(self) -> None:
-        from ..train.model import PRESETS
+        from ..models.gpt import PRESETS
 
         if self.model is None:
             self.model = "tiny"

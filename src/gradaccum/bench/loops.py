@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..train.model import causal_lm_loss
+from ..models.gpt import causal_lm_loss
 
 Run = Callable[[list[list[dict]], Callable[[], None]], None]
 
@@ -54,7 +54,7 @@ class Contestant:
 
 
 def gradaccum_run(model, optimizer, setup: Setup) -> Run:
-    from gradaccum import Accumulator
+    from .. import Accumulator
 
     acc = Accumulator(model, optimizer)
 

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import devices
-from ..errors import first_line
+from ..models.gpt import build_model
+from ..parallel import devices
 from ..plan.sizes import fmt_count, fmt_seconds
-from ..train.model import build_model
+from ..utils.errors import first_line
 from .config import BenchConfig
 from .data import (
     big_batch_gradient,

@@ -9,8 +9,8 @@ import signal
 import sys
 import threading
 
-from ..atomic import interrupted, no_room, reason
-from ..errors import BadInput, RunFailed
+from ..utils.atomic import interrupted, no_room, reason
+from ..utils.errors import BadInput, RunFailed
 from .common import ArgumentParser
 
 # name -> module under gradaccum.cli that defines add_parser(subparsers) and run(args) -> int
@@ -24,7 +24,7 @@ COMMANDS = {
 
 
 def build_parser() -> ArgumentParser:
-    from gradaccum import __version__
+    from .. import __version__
 
     parser = ArgumentParser(
         prog="gradaccum",
@@ -84,7 +84,7 @@ def _main(argv: list[str] | None) -> int:
         sys.stderr.close()
         return 0
     except (OSError, RuntimeError) as err:
-        # A writer outside gradaccum.atomic that met a full disk, or a Ctrl-C a library
+        # A writer outside gradaccum.utils.atomic that met a full disk, or a Ctrl-C a library
         # reported as its own error: still one line.
         if interrupted(err):
             print("gradaccum: interrupted", file=sys.stderr)

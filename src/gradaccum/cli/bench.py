@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..errors import BadInput, flag_name
 from ..plan.sizes import parse_count
+from ..utils.errors import BadInput, flag_name
 from .common import print_json
 
 _EPILOG = """\

@@ -6,8 +6,8 @@ import argparse
 import json
 import sys
 
-from ..errors import BadInput
-from ..jsonable import finite
+from ..utils.errors import BadInput
+from ..utils.jsonable import finite
 
 
 class ArgumentParser(argparse.ArgumentParser):

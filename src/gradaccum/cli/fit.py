@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..errors import BadInput
 from ..plan.sizes import parse_bytes, parse_count, parse_float
+from ..utils.errors import BadInput
 from .common import print_json
 
 _EPILOG = """\
@@ -84,9 +84,9 @@ def _whole(text: str, flag: str, least: int) -> int:
 
 def _options(args: argparse.Namespace) -> dict:
     """The flags' values, checked: BadInput naming the flag and value otherwise."""
-    from ..devices import check_device
+    from ..models.gpt import PRESETS
+    from ..parallel.devices import check_device
     from ..train.config import DEFAULT_PRESET, DEFAULT_TOKENS_PER_STEP
-    from ..train.model import PRESETS
 
     check_device(args.device)
     if args.model is not None and args.model_config is not None:
@@ -124,7 +124,7 @@ MAX_TOLERANCE = 0.5
 
 def _tolerance(text: str | None) -> float:
     """--batch-tolerance as a fraction: 0.05 or 5%; the default when not given."""
-    from ..fit_search import BATCH_TOLERANCE
+    from ..fit.search import BATCH_TOLERANCE
 
     if text is None:
         return BATCH_TOLERANCE
@@ -148,8 +148,8 @@ def _build(opts: dict, device):
     """Data and model as `gradaccum train` builds them; `make_batch(b)` on `device`."""
     import numpy as np
 
-    from ..train.data import DEFAULT_CORPUS_TOKENS, load_tokens
-    from ..train.model import build_model
+    from ..data.tokens import DEFAULT_CORPUS_TOKENS, load_tokens
+    from ..models.gpt import build_model
 
     # Probing reads at most one global batch: the built-in corpus need not be longer.
     tokens = min(DEFAULT_CORPUS_TOKENS, 2 * opts["tokens_per_step"] + 4 * opts["seq_len"])
@@ -180,8 +180,9 @@ def _build(opts: dict, device):
 
 
 def run(args: argparse.Namespace) -> int:
-    from .. import distributed, fit
-    from ..train.model import causal_lm_loss
+    from .. import fit
+    from ..models.gpt import causal_lm_loss
+    from ..parallel import process_group as distributed
 
     opts = _options(args)
     try:

@@ -8,12 +8,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..errors import flag_name
 from ..plan import LR_RULES, PlanInputs, make_plan, render_table
 from ..plan.batch_schedule import parse_batch_schedule
 from ..plan.memory import CHECKPOINTING, OPTIMIZERS, PRECISIONS
 from ..plan.presets import PRESETS
 from ..plan.sizes import parse_bytes, parse_count, parse_float, parse_seconds
+from ..utils.errors import flag_name
 from .common import print_json
 
 # flag name (dest) -> parser of its text; choices and switches are handled by argparse.

@@ -25,8 +25,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..errors import BadInput, first_line, flag_name
 from ..train.config import FLAGS, merge_settings
+from ..utils.errors import BadInput, first_line, flag_name
 from .common import print_json
 
 

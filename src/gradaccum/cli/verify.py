@@ -13,8 +13,8 @@ import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from ..errors import BadInput
 from ..plan.sizes import parse_count
+from ..utils.errors import BadInput
 from .common import print_json
 
 BUILTIN_VOCAB = 256
@@ -145,7 +145,7 @@ def builtin_gpt(seed: int, preset: str, vocab_size: int, seq_len: int):
     """The built-in GPT of a preset, seeded."""
     import torch
 
-    from ..train.model import build_model
+    from ..models.gpt import build_model
 
     torch.manual_seed(seed)
     return build_model(preset=preset, vocab_size=vocab_size, seq_len=seq_len)[0]
@@ -153,11 +153,11 @@ def builtin_gpt(seed: int, preset: str, vocab_size: int, seq_len: int):
 
 def hf_causal_lm(seed: int, path: str):
     """A Hugging Face causal LM from its config, random weights, seeded, dropout off (the
-    ranks and the single process would draw different masks; see `gradaccum.lint.quiet_rng`)."""
+    ranks and the single process would draw different masks; see `gradaccum.verification.lint.quiet_rng`)."""
     import torch
 
-    from ..lint import quiet_rng
-    from ..train.model import build_model
+    from ..models.gpt import build_model
+    from ..verification.lint import quiet_rng
 
     torch.manual_seed(seed)
     model = build_model(config_path=path)[0]
@@ -182,7 +182,7 @@ class _Case:
 
 def build_case(args, sizes: dict) -> _Case:
     from .. import hf, testing
-    from ..train.model import build_model
+    from ..models.gpt import build_model
 
     seed, seq_len = sizes["seed"], sizes["seq_len"]
     try:
@@ -220,7 +220,7 @@ def _gb(n: float) -> str:
 def _check_fits(case: _Case, sizes: dict) -> None:
     """The window's float64 reference and the ranks of --world-size must fit this machine:
     refused here, before any of the work."""
-    from ..processes import available_memory_bytes, rank_capacity
+    from ..verification.ranks import available_memory_bytes, rank_capacity
 
     k, rows, seq = sizes["k"], sizes["micro_batch"], sizes["seq_len"]
     need, available = reference_bytes(k * rows * seq, case.info), available_memory_bytes()
@@ -241,7 +241,7 @@ def _check_fits(case: _Case, sizes: dict) -> None:
 
 
 def run(args) -> int:
-    from ..verification import sample_batches, verify
+    from ..verification.check import sample_batches, verify
 
     sizes = parse_sizes(args)
     case = build_case(args, sizes)
@@ -352,8 +352,8 @@ def world_row(report) -> dict:
 def _study(case: _Case, sizes: dict, args) -> dict:
     import sys
 
-    from ..precision_study import derive_tolerances, precision_study, write_plot
-    from ..verification import TOLERANCES, sample_batches
+    from ..verification.check import TOLERANCES, sample_batches
+    from ..verification.precision_study import derive_tolerances, precision_study, write_plot
 
     batches = sample_batches(
         sizes["k_max"], 1, sizes["seq_len"], case.vocab_size, sizes["seed"] + 1, case.shifted
@@ -385,7 +385,7 @@ def _study(case: _Case, sizes: dict, args) -> dict:
 
 def render(description: str, sizes: dict, report, world: list[dict], study: dict | None) -> str:
     """The whole human-readable output."""
-    from ..verification import TOLERANCE_SOURCE
+    from ..verification.check import TOLERANCE_SOURCE
 
     verdict = "PASS" if report.passed else "FAIL"
     lines = [
@@ -410,7 +410,7 @@ def render(description: str, sizes: dict, report, world: list[dict], study: dict
 
 
 def _render_ways(report) -> list[str]:
-    from ..verification import WRONG_WAYS
+    from ..verification.check import WRONG_WAYS
 
     lines = [f"  {'the usual mistakes, same data, same engine':<{W}}{'max rel err':>12}"]
     for name, words in WRONG_WAYS.items():
@@ -454,7 +454,7 @@ def _render_world(world: list[dict]) -> list[str]:
 
 
 def _render_study(study: dict) -> list[str]:
-    from ..precision_study import StudyPoint, study_table
+    from ..verification.precision_study import StudyPoint, study_table
 
     points = [StudyPoint(**p) for p in study["precision_study"]]
     derived = ", ".join(f"{k} {v:g}" for k, v in study["tolerances_derived"].items())

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from ..errors import BadInput
+from ..utils.errors import BadInput
 from .sft_examples import Example, fit_to_length, make_example, tokenize_item
 from .sft_rows import BadRow, Chat, Row, detect_format, parse_row, read_rows
 from .tokenizers import require_chat_template

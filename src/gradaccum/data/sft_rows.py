@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import BadInput, first_line
+from ..utils.errors import BadInput, first_line
 
 __all__ = [
     "FORMATS",

@@ -11,7 +11,7 @@
 
 `ByteTokenizer`: ids 0..255 are the UTF-8 bytes, 256 the end-of-document id, which is EOS and
 also pads (padding is never a target, so what it holds does not matter). Vocabulary 257, the
-same as the built-in corpus and GPT (`gradaccum.train.data.BYTE_VOCAB`). Its chat template
+same as the built-in corpus and GPT (`gradaccum.data.tokens.BYTE_VOCAB`). Its chat template
 renders a conversation as bytes, each turn `<|ROLE|>` and a newline, then the content, then a
 newline for a system, user or tool turn and EOS for an assistant turn; the generation prompt is
 `<|assistant|>` and a newline. So an assistant turn's tokens are its content and EOS.
@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 from typing import Protocol, runtime_checkable
 
-from ..errors import BadInput, first_line
+from ..utils.errors import BadInput, first_line
 
 __all__ = [
     "BYTE_EOS",
@@ -43,7 +43,7 @@ __all__ = [
 
 BYTE_VOCAB = 257
 """Byte-level vocabulary: the 256 byte values and the end-of-document id (as
-gradaccum.train.data.BYTE_VOCAB, so the built-in GPT and corpus stay compatible)."""
+gradaccum.data.tokens.BYTE_VOCAB, so the built-in GPT and corpus stay compatible)."""
 BYTE_EOS = 256
 """The byte tokenizer's end-of-document id: EOS after each completion, and padding."""
 

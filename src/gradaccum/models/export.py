@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import torch.nn as nn
 
-from ..atomic import fsync_dir, umask, writing
+from ..utils.atomic import fsync_dir, umask, writing
 from .hf_folder import quiet_transformers
 
 TOKENIZER_FILES = (

@@ -40,9 +40,9 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn as nn
 
-from ..errors import BadInput
-from ..train.model import GPT, GPT_MODEL_TYPE, GPTConfig
+from ..utils.errors import BadInput
 from .export import export_hf_model, has_lora, save_tokenizer, unwrap, write_folder_atomic
+from .gpt import GPT, GPT_MODEL_TYPE, GPTConfig
 
 ADAPTER = "default"
 """The one adapter's name inside peft's layers."""

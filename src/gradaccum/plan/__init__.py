@@ -8,7 +8,7 @@ no torch: `import gradaccum.plan` leaves torch unimported.
 - `table`: the plan as a table for people.
 """
 
-from ..errors import BadInput
+from ..utils.errors import BadInput
 from .batch import (
     LR_RULES,
     MemoryReport,
@@ -20,7 +20,7 @@ from .batch import (
 )
 
 PlanError = BadInput
-"""The planner's name for the one bad-input type (gradaccum.errors.BadInput)."""
+"""The planner's name for the one bad-input type (gradaccum.utils.errors.BadInput)."""
 
 __all__ = [
     "LR_RULES",

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
-from ..errors import BadInput
+from ..utils.errors import BadInput
 from . import memory as mem
 from .batch_schedule import lr_multiplier
 from .communication import Communication, traffic

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..errors import BadInput
+from ..utils.errors import BadInput
 from .sizes import fmt_count_exact, parse_count
 
 LR_RULES = ("none", "linear", "sqrt")

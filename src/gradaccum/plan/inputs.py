@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..errors import BadInput, flag_name
+from ..utils.errors import BadInput, flag_name
 from .batch_schedule import LR_RULES, BatchSchedule, parse_batch_schedule
 from .memory import CHECKPOINTING, OPTIMIZERS, PRECISIONS
 from .presets import preset

@@ -19,14 +19,8 @@ from __future__ import annotations
 
 import math
 
-from ..errors import BadInput
-from ..plan.batch_schedule import (
-    BatchSchedule,
-    k_for,
-    lr_multiplier,
-    parse_batch_schedule,
-    phases,
-)
+from ..plan.batch_schedule import BatchSchedule, k_for, lr_multiplier, parse_batch_schedule, phases
+from ..utils.errors import BadInput
 from .schedule import Schedule
 
 AUTO = "auto"

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..atomic import fsync_dir, umask, write_atomic, write_text_atomic, writing
-from ..errors import first_line
+from ..utils.atomic import fsync_dir, umask, write_atomic, write_text_atomic, writing
+from ..utils.errors import first_line
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"

@@ -15,7 +15,7 @@ try:
 except ImportError:  # Python 3.10
     import tomli as tomllib
 
-from ..errors import BadInput
+from ..utils.errors import BadInput
 from . import checkpoint
 from .config import FLAGS
 from .lock import LOCK_FILE, RunLock
@@ -149,7 +149,7 @@ def _our_checkpoints(path: str) -> bool:
 
 def check_paths(config) -> None:
     """The files and folders the flags name exist and are of the right kind."""
-    from .model import PRESETS
+    from ..models.gpt import PRESETS
 
     data = config.data
     if data is not None and not data.startswith("hf:"):
@@ -170,7 +170,7 @@ def check_paths(config) -> None:
 def check_device(device: str) -> None:
     """--device names a device this machine has (or is auto): `devices.check_device`, the
     check every command with --device shares."""
-    from ..devices import check_device as check
+    from ..parallel.devices import check_device as check
 
     check(device)
 

@@ -15,10 +15,10 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, fields
 
-from ..errors import BadInput, flag_name
 from ..plan.batch_schedule import LR_RULES
 from ..plan.memory import PRECISIONS
 from ..plan.sizes import parse_count
+from ..utils.errors import BadInput, flag_name
 from .schedule import SCHEDULES
 
 # The default run: sized so that `gradaccum train` ends within 3 minutes on 2 CPU cores.

@@ -14,8 +14,8 @@ import os
 import socket
 import time
 
-from ..atomic import writing
-from ..errors import BadInput
+from ..utils.atomic import writing
+from ..utils.errors import BadInput
 
 LOCK_FILE = ".lock"
 

@@ -19,19 +19,19 @@ from dataclasses import asdict, dataclass, replace
 import torch
 import torch.distributed as dist
 
-from .. import devices, sync
-from ..atomic import interrupted, write_text_atomic
-from ..distributed import RankInfo, init_distributed, peer_lost, teardown
-from ..engine import Accumulator, StepResult
-from ..errors import BadInput, DiskFull, RanksLost, RunFailed, first_line
+from ..engine.accumulator import Accumulator, StepResult
+from ..models.gpt import build_model, causal_lm_loss
+from ..parallel import devices, sync
+from ..parallel.process_group import RankInfo, init_distributed, peer_lost, teardown
 from ..plan.sizes import fmt_count
+from ..utils.atomic import interrupted, write_text_atomic
+from ..utils.errors import BadInput, DiskFull, RanksLost, RunFailed, first_line
 from . import checkpoint, checks, resume
 from .batching import AUTO, make_batching, smallest_target, token_schedule
 from .config import DEFAULT_MAX_TOKENS, DEFAULT_TOKENS_PER_STEP, TrainConfig, to_toml
 from .console import Console, Progress, StopSignals
 from .lock import RunLock
 from .metrics import MetricsWriter, plot_loss, read_metrics
-from .model import build_model, causal_lm_loss
 from .resolve import resolve_plan
 from .schedule import Schedule, make_scheduler
 
@@ -108,7 +108,7 @@ class RunState:
 
 
 def _load_data(config: TrainConfig):
-    from .data import load_tokens
+    from ..data.tokens import load_tokens
 
     try:
         return load_tokens(config.data, config.seq_len, config.seed)
@@ -216,8 +216,8 @@ def evaluate(
 ) -> float:
     """Mean loss per token over the first EVAL_TOKENS tokens of the held-out split (the same
     sequences every time, so eval losses of a run compare with each other)."""
-    from ..precision import autocast_dtype
-    from .data import eval_batches
+    from ..data.tokens import eval_batches
+    from ..engine.precision import autocast_dtype
 
     was_training = model.training
     model.eval()
@@ -329,7 +329,7 @@ class Run:
         return model
 
     def _assemble(self) -> None:
-        from .data import Batches
+        from ..data.tokens import Batches
 
         config = self.config
         self.scheduler = make_scheduler(self.optimizer, self.schedule)

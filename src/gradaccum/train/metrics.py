@@ -11,7 +11,7 @@ import json
 import math
 import os
 
-from ..atomic import append_whole, write_atomic, write_text_atomic, writing
+from ..utils.atomic import append_whole, write_atomic, write_text_atomic, writing
 
 # Fields that measure wall-clock time: they can never match between two runs.
 TIMING_FIELDS = ("tokens_per_s", "elapsed_s")

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import devices
-from ..errors import BadInput
+from ..parallel import devices
 from ..plan import Plan, PlanInputs, make_plan, render_table
+from ..utils.errors import BadInput
 from .batching import AUTO, first_target, smallest_target
 from .config import DEFAULT_MAX_TOKENS, DEFAULT_TOKENS_PER_STEP, TrainConfig
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
-from ..errors import BadInput, flag_name
+from ..utils.errors import BadInput, flag_name
 from . import checkpoint
 from .config import DEFAULT_PRESET, FLAGS, TrainConfig, merge_settings
 from .metrics import read_metrics_text

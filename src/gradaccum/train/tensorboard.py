@@ -6,7 +6,7 @@ The event file is written here, in the training thread, one record at a time wit
 tensorboard package's own record format and protos, not through torch's SummaryWriter: that
 writes from a background thread, where a full disk is a traceback on stderr and an error
 raised later at an unrelated call. Here a full disk is a DiskFull at the write that met it,
-and the file keeps only whole records (`gradaccum.atomic.append_whole`).
+and the file keeps only whole records (`gradaccum.utils.atomic.append_whole`).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import os
 import socket
 import time
 
-from ..atomic import append_whole, writing
-from ..errors import BadInput
+from ..utils.atomic import append_whole, writing
+from ..utils.errors import BadInput
 
 _NOT_SCALARS = ("step", "skipped")
 

@@ -10,7 +10,7 @@ from contextlib import nullcontext
 
 import torch
 
-from .errors import BadInput
+from ..utils.errors import BadInput
 
 _KINDS = ("cuda", "npu", "xpu", "mps", "cpu")
 CHOICES = "cpu, cuda, cuda:1, npu, npu:1, xpu, mps or auto"

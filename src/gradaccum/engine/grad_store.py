@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from . import sync
+from ..parallel import sync
 from .precision import is_low_precision
 
 

@@ -6,10 +6,10 @@ padded where their lengths differ, in float64 where the model computes in it; an
 window through `Accumulator`. It compares the gradients handed to the optimizer per parameter
 and the parameters after one optimizer step (AdamW by default). Then it runs the usual
 mistakes on the same data through the same engine, and names what in the model breaks
-equivalence (docs/design.md, "Verify"; the lint is in `gradaccum.lint`).
+equivalence (docs/design.md, "Verify"; the lint is in `gradaccum.verification.lint`).
 
 The tolerance per precision (`TOLERANCES`) comes from the precision study
-(`gradaccum.precision_study`, docs/design.md "Tolerances of verify").
+(`gradaccum.verification.precision_study`, docs/design.md "Tolerances of verify").
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ..engine.precision import PRECISIONS, is_low_precision
+from ..utils.errors import BadInput
+from ..utils.jsonable import finite
 from .bigbatch import (
     Grads,
     Reference,
@@ -34,10 +37,7 @@ from .bigbatch import (
     rel_errors,
     trainable,
 )
-from .errors import BadInput
-from .jsonable import finite
 from .lint import Finding, lint, list_names, quiet_rng
-from .precision import PRECISIONS, is_low_precision
 
 IGNORE_INDEX = -100
 

@@ -1,7 +1,7 @@
 """Tokens to train on, split and batched: the built-in corpus or the user's own data.
 
 `load_tokens(spec, seq_len, ...)` reads
-- None: the built-in Markov corpus (gradaccum.train.corpus), generated from the seed;
+- None: the built-in Markov corpus (gradaccum.data.corpus), generated from the seed;
 - "PATH.txt": the file's bytes as tokens 0..255, vocabulary 257 (256 is the end-of-document id,
   which a single text file does not use);
 - "PATH.bin": raw uint16 token ids (nanoGPT's format); "PATH.npy": a 1-D uint16 or uint32 array;
@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from ..errors import BadInput, first_line
+from ..utils.errors import BadInput, first_line
 from .corpus import MarkovCorpus
 
 __all__ = ["Batches", "DataInfo", "MarkovCorpus", "TokenDataset", "load_tokens"]

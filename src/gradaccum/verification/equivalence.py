@@ -27,10 +27,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ..parallel.process_group import RankInfo, aligned_windows
 from .bigbatch import reference_grads
-from .distributed import RankInfo, aligned_windows
 from .precision_study import HEADROOM, nice_ceil
-from .processes import run_ranks
+from .ranks import run_ranks
 from .references import (
     adam_ratio_bound,
     adamw,
@@ -261,7 +261,7 @@ def run_check_rank(
     `single_process_run` read, on CPU: the parameters before each optimizer step ("before")
     and after the last ("params"), the gradients handed to it, the reported losses, tokens,
     collectives and bytes per step."""
-    from .engine import Accumulator
+    from ..engine.accumulator import Accumulator
 
     model = wrap(factory(setup.seed).to(info.device), setup.wrapper)
     optimizer = adamw(model.parameters())

@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import devices, sync
+from ..parallel import devices, sync
 from .noise import NoiseEstimate
 
 if TYPE_CHECKING:
-    from .engine import Accumulator
+    from .accumulator import Accumulator
 
 OPEN, FINISHED, ABANDONED = "open", "finished", "abandoned"
 

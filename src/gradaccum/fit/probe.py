@@ -43,21 +43,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import devices, sync
-from .engine import Accumulator
-from .errors import BadInput
-from .fit_report import choice_notes, render_table
-from .fit_search import (
-    BATCH_TOLERANCE,
-    NOISE_FLOOR,
-    Target,
-    choose,
-    largest_fitting,
-    search,
-    to_time,
-)
-from .plan.sizes import fmt_bytes, fmt_int
-from .precision import LossScaler
+from ..engine.accumulator import Accumulator
+from ..engine.precision import LossScaler
+from ..parallel import devices, sync
+from ..plan.sizes import fmt_bytes, fmt_int
+from ..utils.errors import BadInput
+from .report import choice_notes, render_table
+from .search import BATCH_TOLERANCE, NOISE_FLOOR, Target, choose, largest_fitting, search, to_time
 
 __all__ = ["BATCH_TOLERANCE", "FitResult", "choose", "find_micro_batch", "largest_fitting"]
 __all__ += ["choice_notes", "measure_step", "render_table", "to_time"]

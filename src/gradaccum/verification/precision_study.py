@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .atomic import write_atomic
+from ..utils.atomic import write_atomic
 from .bigbatch import Grads, cast_floats, engine_grads, max_rel_error, seeded, trainable
 from .lint import quiet_rng
 

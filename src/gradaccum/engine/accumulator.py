@@ -27,8 +27,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
-from . import sync
-from .grads import GradStore
+from ..parallel import sync
+from .grad_store import GradStore
 from .noise import NoiseScale
 from .precision import PRECISIONS, LossScaler, autocast_dtype, is_low_precision
 from .window import StepResult, Window, backward_scale, loss_pair
@@ -105,7 +105,7 @@ class Accumulator:
     sync_every_micro_batch: reduce gradients after every micro-batch (FSDP2: keeps gradients
       sharded, k times the traffic); default is one sync per window.
     noise_scale: estimate the gradient noise scale (the critical batch size) from each
-      micro-batch's own gradient as backward produces it (`gradaccum.noise`): one squared
+      micro-batch's own gradient as backward produces it (`gradaccum.engine.noise`): one squared
       norm per parameter and micro-batch, reported in `StepResult.noise`. Needs the token
       mean and per-micro-batch gradients: one device or DDP, not FSDP2. `noise_decay` is
       the decay of its moving averages, per window.
@@ -165,7 +165,7 @@ class Accumulator:
         self.store = GradStore(params, self.dp, optimizer, accum_dtype, master_weights, extras)
         """Where the window's gradient lives until the optimizer takes it."""
         self.noise = self._make_noise(params, noise_decay) if noise_scale else None
-        """The noise-scale estimator (`gradaccum.noise.NoiseScale`), or None."""
+        """The noise-scale estimator (`gradaccum.engine.noise.NoiseScale`), or None."""
         self._last_batch = None
         self._open: Window | None = None  # the window begun and not yet closed
         self._tokens_per_micro_step = 0.0  # of the last finished window: floors an estimate

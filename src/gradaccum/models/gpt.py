@@ -21,10 +21,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..errors import BadInput
-from ..models import hf_folder
-from ..models.hf_folder import sees_only_the_past  # noqa: F401  (importable from here too)
-from ..models.hf_folder import short_error as _short
+from ..utils.errors import BadInput
+from . import hf_folder
+from .hf_folder import sees_only_the_past  # noqa: F401  (importable from here too)
+from .hf_folder import short_error as _short
 
 # Layers, heads and width of each preset; vocab and seq_len come from the data.
 PRESETS: dict[str, dict] = {

@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.table import Table
 
-from .fit_search import EXACT, MAX_NOISE
-from .plan.sizes import fmt_bytes, fmt_int
+from ..plan.sizes import fmt_bytes, fmt_int
+from .search import EXACT, MAX_NOISE
 
 if TYPE_CHECKING:
-    from .fit import FitResult
+    from .probe import FitResult
 
 
 def render_table(result: FitResult) -> str:

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .engine import Accumulator
-from .errors import BadInput
+from ..engine.accumulator import Accumulator
+from ..utils.errors import BadInput
 
 IGNORE_INDEX = -100
 

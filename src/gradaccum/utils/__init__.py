@@ -1,0 +1,3 @@
+"""Small utilities every part uses: `errors` (bad input as one line, runs that cannot go on),
+`atomic` (files written whole or not at all; a full disk as one line), `jsonable` (JSON with
+finite numbers only). No torch here: the planner imports them."""

@@ -1,0 +1,14 @@
+"""Proof on the user's own model that accumulation equals the big batch.
+
+- `check`: `verify`, one window through the engine against the same data as one batch, with
+  the mistakes it demonstrates and what breaks equivalence;
+- `bigbatch` and `references`: the float64 big-batch reference and the error measures;
+- `lint`: what in a model or loss breaks equivalence (batch statistics, dropout RNG, means);
+- `precision_study`: the error of accumulating in each precision as k grows;
+- `ranks` and `equivalence`: N gloo ranks on CPU (DDP, FSDP2) against one process taking the
+  whole batch (`gradaccum.testing` re-exports them).
+"""
+
+from .check import VerifyReport, verify
+
+__all__ = ["VerifyReport", "verify"]
