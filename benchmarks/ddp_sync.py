@@ -24,11 +24,13 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from gradaccum import Accumulator
-from gradaccum.models.gpt import GPT, PRESETS, GPTConfig, causal_lm_loss
-from gradaccum.parallel import devices, sync
+from gradaccum.models.gpt import GPT, GPTConfig
+from gradaccum.models.loss import causal_lm_loss
+from gradaccum.parallel import backends, devices
 from gradaccum.parallel.process_group import init_distributed, teardown
 from gradaccum.testing import run_ranks
 from gradaccum.utils.atomic import exit_on_disk_full, write_text_atomic
+from gradaccum.utils.choices import BUILTIN_MODELS as PRESETS
 
 IGNORE = -100
 
@@ -87,7 +89,7 @@ def bench_rank(info, args) -> dict | None:
     }
     for m in models.values():
         m.module.load_state_dict(base.state_dict())
-    traffic = {name: sync.count_grad_traffic(m) for name, m in models.items()}
+    traffic = {name: backends.count_grad_traffic(m) for name, m in models.items()}
     opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-4) for name, m in models.items()}
     acc = Accumulator(models["engine"], opts["engine"], count_tokens="auto")
     windows = make_windows(args, info.rank, info.device)

@@ -25,7 +25,8 @@ import torch
 
 from gradaccum import fit
 from gradaccum.engine.precision import autocast_dtype
-from gradaccum.models.gpt import build_model, causal_lm_loss
+from gradaccum.models.build import build_model
+from gradaccum.models.loss import causal_lm_loss
 from gradaccum.parallel import devices
 from gradaccum.plan.sizes import parse_count
 from gradaccum.utils.atomic import exit_on_disk_full, write_text_atomic
@@ -73,7 +74,7 @@ def hand_loop_tokens_per_s(model, make_batch, micro_batch, checkpointing, precis
             devices.synchronize(device)
             if i >= 2:
                 times.append(time.perf_counter() - start)
-    except fit.out_of_memory_errors():
+    except devices.out_of_memory_errors():
         failed = True
     del opt, batch
     model.zero_grad(set_to_none=True)

@@ -39,7 +39,8 @@ import copy, json, sys
 import torch
 from gradaccum import Accumulator
 from gradaccum.bench.data import big_batch_gradient, make_windows, snapshot, update_error
-from gradaccum.train.model import build_model, causal_lm_loss
+from gradaccum.models.build import build_model
+from gradaccum.models.loss import causal_lm_loss
 
 dev = torch.device("cuda")
 torch.manual_seed(0)

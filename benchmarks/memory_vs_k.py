@@ -24,7 +24,8 @@ from collections.abc import Sequence
 import torch
 
 from gradaccum import Accumulator
-from gradaccum.models.gpt import GPT, GPTConfig, causal_lm_loss
+from gradaccum.models.gpt import GPT, GPTConfig
+from gradaccum.models.loss import causal_lm_loss
 from gradaccum.parallel import devices
 from gradaccum.utils.atomic import exit_on_disk_full, write_text_atomic
 

@@ -20,7 +20,6 @@ from gradaccum.testing import (  # noqa: F401 - re-exported for the tests
     exact_fp64_sum,
     max_rel_error,
     ragged_batches,
-    rel_error,
     token_loss,
 )
 

@@ -20,38 +20,29 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-import torch.nn.functional as F
 
-IGNORE_INDEX = -100
+from .models.loss import IGNORE_INDEX, count_targets, logits_of, targets, token_sum_loss
+
+__all__ = ["IGNORE_INDEX", "count_tokens", "loss_fn", "shifted_labels"]
 
 
 def shifted_labels(labels: torch.Tensor) -> torch.Tensor:
     """The targets of positions 0 .. T-2: labels 1 .. T-1 of each row, (b, T-1)."""
-    return labels[..., 1:]
+    return targets(labels, shift=True)
 
 
 def count_tokens(batch: Mapping) -> torch.Tensor:
     """Targets in a batch after the shift: `labels[:, 1:] != -100`, summed (a 0-dim tensor)."""
-    return (shifted_labels(batch["labels"]) != IGNORE_INDEX).sum()
+    return count_targets(batch["labels"], shift=True)
 
 
 def loss_fn(model: torch.nn.Module, batch: Mapping) -> tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy summed over the shifted targets, and their count (the Accumulator's
-    loss_fn contract).
+    loss_fn contract; `gradaccum.models.loss.token_sum_loss` with the shift).
 
     Every key of `batch` but "labels" goes to the model as a keyword (input_ids,
     attention_mask, position_ids, ...); the labels are never handed to the model, so it does not
     average a loss of its own. Logits are upcast to fp32 (float64 stays float64).
     """
     inputs = {key: value for key, value in batch.items() if key != "labels"}
-    logits = model(**inputs).logits
-    if logits.dtype != torch.float64:
-        logits = logits.float()
-    targets = shifted_labels(batch["labels"])
-    loss_sum = F.cross_entropy(
-        logits[:, :-1].reshape(-1, logits.shape[-1]),
-        targets.reshape(-1),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-    )
-    return loss_sum, (targets != IGNORE_INDEX).sum()
+    return token_sum_loss(logits_of(model(**inputs)), batch["labels"], shift=True)

@@ -3,17 +3,19 @@
 Two kinds of helper, public so that the project's tests, `gradaccum verify --world-size` and
 the benchmarks share one copy, and so that users can check their own setups the same way:
 
-- big-batch references (`gradaccum.verification.references`; docs/design.md, "Numerical rules"): every
-  micro-batch padded to one length, stacked into one batch, one forward and one backward of
-  the summed token loss divided by the valid-token count, in any dtype float64 included
-  (`big_batch_grads`), or the per-micro-batch gradients summed exactly in float64
-  (`exact_fp64_sum`); and how far two AdamW runs whose gradients agree only to rounding can
-  drift apart (`adamw_drift_bound`);
-- the distributed harness: `run_ranks` (`gradaccum.verification.ranks`) starts N processes joined by
-  gloo on CPU, the way torchrun starts them on one node, none outliving its parent;
-  `check_equivalence` (`gradaccum.verification.equivalence`) runs accumulation under DDP or FSDP2 on them
-  and compares each window, from the same parameters, with one process taking it as one
-  batch.
+- the big-batch reference and the relative error (`gradaccum.verification.reference`;
+  docs/design.md, "Numerical rules"): every micro-batch padded to one length, stacked into one
+  batch, one forward and one backward of the summed token loss divided by the valid-token
+  count, in any dtype float64 included (`big_batch_grads`), or the per-micro-batch gradients
+  summed exactly in float64 (`exact_fp64_sum`); `max_rel_error`, the largest per-parameter
+  relative error; and how far two AdamW runs whose gradients agree only to rounding can drift
+  apart (`adamw_drift_bound`). `token_loss` is `gradaccum.models.loss.causal_lm_loss` (labels
+  aligned with the logits) under the name the tests use;
+- the distributed harness: `run_ranks` (`gradaccum.verification.ranks`) starts N processes
+  joined by gloo on CPU, the way torchrun starts them on one node, none outliving its parent;
+  `check_equivalence` (`gradaccum.verification.equivalence`) runs accumulation under DDP or
+  FSDP2 on them and compares each window, from the same parameters, with one process taking
+  it as one batch.
 
 The model is always passed in (a picklable factory `seed -> module` for the harness): this
 module builds none of its own.
@@ -21,7 +23,8 @@ module builds none of its own.
 
 from __future__ import annotations
 
-from .verification.bigbatch import IGNORE_INDEX
+from .models.loss import IGNORE_INDEX
+from .models.loss import causal_lm_loss as token_loss
 from .verification.equivalence import (
     WRAPPERS,
     EquivalenceReport,
@@ -39,7 +42,7 @@ from .verification.equivalence import (
     wrap,
 )
 from .verification.ranks import check_world_size, free_port, rank_capacity, run_ranks
-from .verification.references import (
+from .verification.reference import (
     GradRecorder,
     adam_ratio_bound,
     adamw,
@@ -51,9 +54,8 @@ from .verification.references import (
     max_rel_error,
     ragged_batches,
     record_grads,
-    rel_error,
-    token_loss,
     valid_tokens,
+    whole_rel_error,
 )
 
 __all__ = [
@@ -79,7 +81,6 @@ __all__ = [
     "rank_batches",
     "rank_capacity",
     "record_grads",
-    "rel_error",
     "replay_adamw",
     "run_check_rank",
     "run_check_ranks",
@@ -89,5 +90,6 @@ __all__ = [
     "step_tolerance",
     "token_loss",
     "valid_tokens",
+    "whole_rel_error",
     "wrap",
 ]

@@ -10,7 +10,8 @@ from gradaccum import Accumulator, hf
 from gradaccum.data.sft import load_sft
 from gradaccum.data.sft_batches import SFTBatches, collate
 from gradaccum.engine.accumulator import count_labels
-from gradaccum.models.gpt import GPT, GPTConfig, causal_lm_loss
+from gradaccum.models.gpt import GPT, GPTConfig
+from gradaccum.models.loss import causal_lm_loss
 
 ROWS = [
     {"prompt": "reverse: abc\n", "completion": "cba"},
@@ -63,7 +64,8 @@ def test_both_layouts_give_the_per_example_loss(write_jsonl, hf_tok, raw_hf_tok,
     shifted = collate(examples, hf_tok.pad_id, "shifted")
     unshifted = collate(examples, hf_tok.pad_id, "unshifted")
     with torch.no_grad():
-        # causal_lm_loss computes its cross-entropy in fp32, hf.loss_fn keeps float64
+        # float64 logits stay float64 in both (gradaccum.models.loss); causal_lm_loss is held
+        # to fp32 rounding, the precision the trainer runs it in
         for (loss, n), rel in (
             (causal_lm_loss(hf_model, shifted), 1e-6),
             (hf.loss_fn(hf_model, unshifted), 1e-10),

@@ -10,7 +10,6 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
-from reference import big_batch, big_batch_grads, make_gpt, ragged_batches, token_loss
 
 from gradaccum.testing import (  # noqa: F401 - re-exported for the tests
     adamw,
@@ -22,6 +21,7 @@ from gradaccum.testing import (  # noqa: F401 - re-exported for the tests
     step_tolerance,
     valid_tokens,
 )
+from tests.reference import big_batch, big_batch_grads, make_gpt, ragged_batches, token_loss
 
 K = 4  # micro-batches per rank per window
 TIMEOUT_S = 90.0  # a rank that hangs fails the test instead of blocking the suite

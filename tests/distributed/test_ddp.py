@@ -12,14 +12,14 @@ from dataclasses import asdict
 
 import pytest
 import torch
-from reference import GradRecorder, big_batch_grads, make_gpt, max_rel_error, token_loss
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from gradaccum import Accumulator
-from gradaccum.parallel import sync
+from gradaccum.parallel import backends
 from gradaccum.parallel.process_group import aligned_windows
 from gradaccum.testing import run_ranks
+from tests.reference import GradRecorder, big_batch_grads, make_gpt, max_rel_error, token_loss
 
 from .ranks import (
     TIMEOUT_S,
@@ -90,7 +90,7 @@ def _hooks(info) -> dict:
         model = make_gpt()
         ddp = DistributedDataParallel(model)
         if own:
-            sync.count_grad_traffic(ddp, hook=default_hooks.fp16_compress_hook, state=None)
+            backends.count_grad_traffic(ddp, hook=default_hooks.fp16_compress_hook, state=None)
         else:
             ddp.register_comm_hook(None, default_hooks.allreduce_hook)
         opt = GradRecorder(ddp.parameters())

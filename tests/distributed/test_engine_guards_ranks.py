@@ -12,15 +12,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from reference import IGNORE, big_batch, big_batch_grads, make_gpt, max_rel_error, token_loss
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from gradaccum import Accumulator
-from gradaccum.parallel import sync
+from gradaccum.parallel import collectives
 from gradaccum.testing import run_ranks
+from tests.reference import IGNORE, big_batch, big_batch_grads, make_gpt, max_rel_error, token_loss
 
 from .ranks import TIMEOUT_S, full, rank_data, record_grads
 
@@ -259,8 +259,8 @@ def test_a_sharded_parameter_outside_the_model_is_refused_naming_it(ranks):
 
 def _sizes(info) -> list:
     mine = 10 * (info.rank + 1)
-    both = sync.agree_on_window_size(3, 2 + info.rank, capacity=mine)
-    one = sync.agree_on_window_size(3, 2, capacity=mine if info.rank == 0 else None)
+    both = collectives.agree_on_window_size(3, 2 + info.rank, capacity=mine)
+    one = collectives.agree_on_window_size(3, 2, capacity=mine if info.rank == 0 else None)
     return [both.tokens, both.micro_steps, both.capacity, one.capacity]
 
 

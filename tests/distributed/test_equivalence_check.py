@@ -6,9 +6,9 @@ start of 2 ranks."""
 from __future__ import annotations
 
 import pytest
-from reference import make_gpt
 
 from gradaccum.testing import EquivalenceSetup, check_equivalence, check_equivalences, rank_batches
+from tests.reference import make_gpt
 
 from .ranks import TIMEOUT_S
 

@@ -7,11 +7,11 @@ from dataclasses import asdict
 
 import pytest
 import torch
-from reference import big_batch_grads, make_gpt, max_rel_error, token_loss
 
 from gradaccum import Accumulator
 from gradaccum.parallel.process_group import aligned_windows
 from gradaccum.testing import run_ranks
+from tests.reference import big_batch_grads, make_gpt, max_rel_error, token_loss
 
 from .ranks import (
     TIMEOUT_S,

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import make_gpt, token_loss
 from torch.nn.parallel import DistributedDataParallel
 
 from gradaccum import Accumulator
 from gradaccum.testing import run_ranks
+from tests.reference import make_gpt, token_loss
 
 from .ranks import TIMEOUT_S, K, global_windows, rank_data
 

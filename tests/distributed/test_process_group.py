@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gradaccum.parallel import backends, collectives
 from gradaccum.parallel import process_group as distributed
-from gradaccum.parallel import sync
 from gradaccum.parallel.process_group import aligned_windows, env_ranks, init_distributed
 from gradaccum.testing import run_ranks
 
@@ -56,8 +56,8 @@ def test_missing_master_and_mismatched_backend_fail_before_joining(monkeypatch):
 
 def test_single_process_windows_and_counting():
     assert [len(w) for w in aligned_windows(range(10), 4)] == [4, 4, 2]
-    assert sync.agree_on_window(17, 3) == (17, 3)
-    assert sync.count_grad_traffic(torch.nn.Linear(2, 2)) is None
+    assert collectives.agree_on_window(17, 3) == (17, 3)
+    assert backends.count_grad_traffic(torch.nn.Linear(2, 2)) is None
 
 
 def _rank_fails(info):

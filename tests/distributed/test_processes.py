@@ -22,7 +22,8 @@ from gradaccum.verification.ranks import RANKS_PER_CORE, rank_capacity, usable_c
 
 pytestmark = pytest.mark.slow
 
-TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+"""The repository root: `tests` is imported from it as a package."""
 START_S = 180.0  # spawning ranks that import torch, on a loaded machine
 GONE_S = 20.0  # the kernel's SIGKILL is immediate; this is time for a loaded machine
 
@@ -164,7 +165,9 @@ def test_no_rank_outlives_a_parent_ended_by_a_signal(tmp_path):
     """Three parents at once (starting ranks costs seconds): ended by SIGKILL, which runs
     nothing in the parent, by SIGTERM, whose default also runs nothing, and by SIGINT."""
     signals = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "int": signal.SIGINT}
-    code = f"import sys; sys.path[:0] = [{TESTS!r}]; import distributed.test_processes as t; t."
+    code = (
+        f"import sys; sys.path[:0] = [{ROOT!r}]; import tests.distributed.test_processes as t; t."
+    )
     parents, dirs = {}, {}
     try:
         for name in signals:

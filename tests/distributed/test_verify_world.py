@@ -11,7 +11,7 @@ import json
 import pytest
 
 from gradaccum.cli import build_parser, main
-from gradaccum.cli import verify as verify_cli
+from gradaccum.cli import verify_run as verify_cli
 from gradaccum.testing import check_equivalences, rank_batches
 from gradaccum.verification.check import TOLERANCES
 

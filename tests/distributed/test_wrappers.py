@@ -15,7 +15,12 @@ from dataclasses import asdict
 import pytest
 import torch
 import torch.distributed as dist
-from reference import (
+from torch.nn.parallel import DistributedDataParallel
+
+from gradaccum import Accumulator
+from gradaccum.parallel.process_group import aligned_windows
+from gradaccum.testing import run_ranks
+from tests.reference import (
     GradRecorder,
     big_batch,
     big_batch_grads,
@@ -23,11 +28,6 @@ from reference import (
     max_rel_error,
     token_loss,
 )
-from torch.nn.parallel import DistributedDataParallel
-
-from gradaccum import Accumulator
-from gradaccum.parallel.process_group import aligned_windows
-from gradaccum.testing import run_ranks
 
 from .ranks import TIMEOUT_S, K, full, global_windows, one_thread, rank_data, valid_tokens
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from gradaccum.models import export
-from gradaccum.models.gpt import build_model
+from gradaccum.models.build import build_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -122,7 +122,7 @@ KILLED_EXPORT = textwrap.dedent(
     import sys, time
     import torch
     from gradaccum.models import export
-    from gradaccum.models.gpt import build_model
+    from gradaccum.models.build import build_model
 
     source, out, marker = sys.argv[1:4]
     model, _ = build_model(init_from=source)

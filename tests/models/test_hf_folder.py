@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from gradaccum.models import hf_folder
-from gradaccum.models.gpt import build_model
+from gradaccum.models.build import build_model
 from gradaccum.utils.errors import BadInput
 
 transformers = pytest.importorskip("transformers")

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from gradaccum.models import lora
-from gradaccum.models.gpt import GPT, GPTConfig, build_model, causal_lm_loss
+from gradaccum.models.build import build_model
+from gradaccum.models.gpt import GPT, GPTConfig
+from gradaccum.models.loss import causal_lm_loss
 from gradaccum.plan import memory, presets
 from gradaccum.utils.errors import BadInput
 

@@ -254,7 +254,9 @@ def train_mid(disk: Disk) -> dict:
 
 
 def _records(out: str) -> list[dict]:
-    from gradaccum.train.metrics import read_metrics, without_timing
+    from helpers import without_timing  # run as a script: this folder is on sys.path
+
+    from gradaccum.train.metrics import read_metrics
 
     return without_timing(read_metrics(os.path.join(out, "metrics.jsonl")))
 

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import torch
 
+from gradaccum.data.batches import Batches, eval_batches
 from gradaccum.data.corpus import markov_entropy_rate, stationary_distribution
-from gradaccum.data.tokens import Batches, MarkovCorpus, TokenDataset, eval_batches, load_tokens
+from gradaccum.data.tokens import MarkovCorpus, TokenDataset, load_tokens
 from gradaccum.utils.errors import BadInput
 
 

@@ -18,10 +18,10 @@ from gradaccum.train import checkpoint, tensorboard
 from gradaccum.train import loop as train_loop
 from gradaccum.train.config import TrainConfig
 from gradaccum.train.loop import train
-from gradaccum.train.metrics import read_metrics, without_timing
+from gradaccum.train.metrics import read_metrics
 from gradaccum.utils.errors import DiskFull
 
-from .helpers import one_line_error
+from .helpers import one_line_error, without_timing
 
 
 @pytest.fixture(scope="module")

@@ -24,9 +24,10 @@ import pytest
 import torch
 
 from gradaccum.cli import main
-from gradaccum.train.metrics import read_metrics, without_timing
+from gradaccum.train.metrics import read_metrics
 
 from .disk_probe import DISK_BYTES, TRAIN
+from .helpers import without_timing
 from .processes import in_session
 
 PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "disk_probe.py")

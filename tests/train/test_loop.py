@@ -12,11 +12,13 @@ import pytest
 import torch
 
 from gradaccum.data.corpus import MarkovCorpus
-from gradaccum.models.gpt import build_model
+from gradaccum.models.build import build_model
 from gradaccum.testing import adamw_drift_bound
 from gradaccum.train.loop import TrainConfig, train
-from gradaccum.train.metrics import read_metrics, without_timing
+from gradaccum.train.metrics import read_metrics
 from gradaccum.train.resolve import resolve_plan
+
+from .helpers import without_timing
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 from gradaccum import fit
 from gradaccum.cli import main
 from gradaccum.data.corpus import MarkovCorpus
-from gradaccum.train import loop
+from gradaccum.train import micro_batch
 from gradaccum.train.metrics import read_metrics
 
 
@@ -61,7 +61,9 @@ def test_micro_batch_auto_follows_fit_s_rule_for_an_awkward_target(
         cand.tokens_per_s, cand.noise = 6000.0 * rise * fall, 0.03
 
     monkeypatch.setattr(fit.probe._Prober, "time", fake_time)
-    monkeypatch.setattr(loop, "AUTO_FIT_SECONDS", 600.0)  # the probes themselves, not a clock
+    monkeypatch.setattr(
+        micro_batch, "AUTO_FIT_SECONDS", 600.0
+    )  # the probes themselves, not a clock
     argv = ["--data", data, "--seq-len", "32", "--tokens-per-step", "4000"]
     assert main(["fit", *argv, "--no-checkpointing", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["micro_batch"] == 31

@@ -6,7 +6,10 @@ import math
 import pytest
 import torch
 
-from gradaccum.models.gpt import GPT, PRESETS, GPTConfig, build_model, causal_lm_loss
+from gradaccum.models.build import build_model
+from gradaccum.models.gpt import GPT, GPTConfig
+from gradaccum.models.loss import causal_lm_loss
+from gradaccum.utils.choices import BUILTIN_MODELS as PRESETS
 from gradaccum.utils.errors import BadInput
 
 

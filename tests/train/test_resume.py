@@ -18,10 +18,11 @@ from gradaccum.data.corpus import MarkovCorpus
 from gradaccum.train import checkpoint, resume
 from gradaccum.train.config import TrainConfig
 from gradaccum.train.loop import train
-from gradaccum.train.metrics import read_metrics, without_timing
+from gradaccum.train.metrics import read_metrics
 from gradaccum.utils.errors import BadInput
 
 from . import helpers
+from .helpers import without_timing
 
 pytestmark = pytest.mark.slow  # end-to-end runs: minutes on two loaded cores
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from ..utils.choices import DEFAULT_MODEL, check_builtin_model
 from ..utils.errors import BadInput, flag_name
 
 PEERS = ("accelerate", "trainer", "lightning")
@@ -18,7 +19,7 @@ class BenchConfig:
     """One model, one data set with ragged valid lengths, one (micro-batch, k)."""
 
     model: str | None = None
-    """Preset of the built-in GPT (tiny, small, gpt2-124m); tiny when no --model-config."""
+    """Preset of the built-in GPT (`BUILTIN_MODELS`); DEFAULT_MODEL when no --model-config."""
     model_config: str | None = None
     """A Hugging Face causal-LM config.json (or its folder), built from config, random init."""
     micro_batch: int = 4
@@ -65,14 +66,9 @@ class BenchConfig:
             raise BadInput("--device", repr(self.device), "expected a device name")
 
     def _check_preset(self) -> None:
-        from ..models.gpt import PRESETS
-
         if self.model is None:
-            self.model = "tiny"
-        if self.model not in PRESETS:
-            raise BadInput(
-                "--model", self.model, f"unknown preset; choose one of {', '.join(PRESETS)}"
-            )
+            self.model = DEFAULT_MODEL
+        check_builtin_model(self.model, "--model")
 
     def _check_model_config(self) -> None:
         path = self.model_config

@@ -1,13 +1,12 @@
-"""The bench's data and its yardstick: ragged windows and the exact big-batch gradient."""
+"""The bench's data and its yardstick: ragged windows and the exact big-batch gradient
+(`gradaccum.verification.reference`, the one reference and relative error verify uses)."""
 
 from __future__ import annotations
 
-import copy
-
 import torch
-import torch.nn.functional as F
 
-IGNORE = -100
+from ..models.loss import IGNORE_INDEX, causal_lm_loss
+from ..verification.reference import big_batch_reference, concat_batches, whole_rel_error
 
 
 def make_windows(
@@ -16,7 +15,7 @@ def make_windows(
     """`n_windows` windows of `accum_steps` micro-batches of `micro_batch` rows, on the CPU.
 
     Rows are random token ids; row i holds a valid length drawn from 1..seq_len and its labels
-    past that length are IGNORE, so micro-batches hold different valid-token counts (what
+    past that length are IGNORE_INDEX, so micro-batches hold different valid-token counts (what
     makes "mean loss / k" differ from the token mean). Labels are already shifted: the label
     at position t is the token after input t.
     """
@@ -29,7 +28,7 @@ def make_windows(
             ids = torch.randint(0, vocab, (micro_batch, seq_len + 1), generator=g)
             lengths = torch.randint(1, seq_len + 1, (micro_batch, 1), generator=g)
             labels = ids[:, 1:].clone()
-            labels[positions >= lengths] = IGNORE
+            labels[positions >= lengths] = IGNORE_INDEX
             window.append({"input_ids": ids[:, :-1].contiguous(), "labels": labels})
         out.append(window)
     return out
@@ -40,8 +39,8 @@ def to_device(windows: list[list[dict]], device: torch.device) -> list[list[dict
 
 
 def valid_tokens(windows: list[list[dict]]) -> int:
-    """Labels that are not IGNORE, over all the windows' rows."""
-    return sum(int((b["labels"] != IGNORE).sum()) for w in windows for b in w)
+    """Labels that are not IGNORE_INDEX, over all the windows' rows."""
+    return sum(int((b["labels"] != IGNORE_INDEX).sum()) for w in windows for b in w)
 
 
 def reference_dtype(device: torch.device) -> torch.dtype:
@@ -50,30 +49,13 @@ def reference_dtype(device: torch.device) -> torch.dtype:
 
 
 def big_batch_gradient(model: torch.nn.Module, window: list[dict]) -> list[torch.Tensor]:
-    """The exact gradient of the window: one forward over all its rows in float64, the loss
-    summed over every valid token and divided by N, the valid tokens of the whole window.
-
-    Written without the engine or the trainer's loss, so it judges them independently.
-    """
-    device = next(model.parameters()).device
-    dtype = reference_dtype(device)
-    ref = copy.deepcopy(model).to(dtype)
-    ids = torch.cat([b["input_ids"] for b in window]).to(device)
-    labels = torch.cat([b["labels"] for b in window]).to(device)
-    out = ref(ids)
-    logits = out if isinstance(out, torch.Tensor) else out.logits
-    n = (labels != IGNORE).sum()
-    loss = (
-        F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]),
-            labels.reshape(-1),
-            ignore_index=IGNORE,
-            reduction="sum",
-        )
-        / n
-    )
-    params = [p for p in ref.parameters() if p.requires_grad]
-    return [g.detach() for g in torch.autograd.grad(loss, params)]
+    """The exact gradient of the window: one forward over all its rows in float64
+    (`reference_dtype`), the loss summed over every valid token (`causal_lm_loss`) and divided
+    by N, the valid tokens of the whole window; no engine, no accumulation. Per trainable
+    parameter, in `parameters()` order (None where one gets no gradient)."""
+    dtype = reference_dtype(next(model.parameters()).device)
+    whole = concat_batches(window)
+    return big_batch_reference(model, whole, causal_lm_loss, seed=None, dtypes=(dtype,)).grads
 
 
 def snapshot(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -82,15 +64,10 @@ def snapshot(model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def update_error(before: list[torch.Tensor], after: list[torch.Tensor], grad) -> float:
-    """|update - g| / |g| over all parameters at once, where the update is before - after:
-    with one SGD step at lr 1 it is the gradient the optimizer was handed."""
-    dtype = grad[0].dtype
-    diff = sq_ref = 0.0
-    for b, a, g in zip(before, after, grad, strict=True):
-        update = b.to(dtype) - a.to(dtype)
-        diff += float((update - g).pow(2).sum())
-        sq_ref += float(g.pow(2).sum())
-    return (diff / sq_ref) ** 0.5 if sq_ref > 0 else float("nan")
+    """|update - g| / |g| over all parameters at once (`whole_rel_error`), where the update is
+    before - after: with one SGD step at lr 1 it is the gradient the optimizer was handed."""
+    update = [b.double() - a.double() for b, a in zip(before, after, strict=True)]
+    return whole_rel_error(update, grad)
 
 
 def no_dropout(model: torch.nn.Module) -> torch.nn.Module:

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.gpt import causal_lm_loss
+from ..engine.accumulator import Accumulator
+from ..models.loss import causal_lm_loss
 
 Run = Callable[[list[list[dict]], Callable[[], None]], None]
 
@@ -54,8 +55,6 @@ class Contestant:
 
 
 def gradaccum_run(model, optimizer, setup: Setup) -> Run:
-    from .. import Accumulator
-
     acc = Accumulator(model, optimizer)
 
     def run(windows, tick):

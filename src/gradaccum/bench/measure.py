@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..models.gpt import build_model
+from ..models.build import build_model
+from ..models.optimizer import adamw
 from ..parallel import devices
 from ..plan.sizes import fmt_count, fmt_seconds
 from ..utils.errors import first_line
@@ -141,7 +142,7 @@ def prepare(contestant: Contestant, model0, setup: Setup, sgd: bool) -> tuple:
     if sgd:
         optimizer = torch.optim.SGD(params, lr=1.0)
     else:
-        optimizer = torch.optim.AdamW(params, lr=TIMING_LR)
+        optimizer = adamw(params, lr=TIMING_LR)
     with quiet():
         run = contestant.make(model, optimizer, setup)
     prepared = Prepared(run, optimizer, params)

@@ -1,4 +1,9 @@
-"""The `gradaccum` command: plan | fit | verify | train | bench."""
+"""The `gradaccum` command: plan | fit | verify | train | bench.
+
+Each command is a parser module here (`plan.py`, `fit.py`, ...: its flags, from `flags.py`,
+read as they are parsed) and, for those that need torch, a run module (`fit_run.py`, ...)
+imported only when that command runs: `gradaccum plan` never imports torch.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +14,13 @@ import signal
 import sys
 import threading
 
+from .. import __version__
 from ..utils.atomic import interrupted, no_room, reason
 from ..utils.errors import BadInput, RunFailed
 from .common import ArgumentParser
 
-# name -> module under gradaccum.cli that defines add_parser(subparsers) and run(args) -> int
+# name -> module under gradaccum.cli whose add_parser(subparsers, name) adds the command's
+# parser, with its run(args) -> int as the parser's `run` default
 COMMANDS = {
     "plan": "plan",
     "train": "train",
@@ -24,8 +31,6 @@ COMMANDS = {
 
 
 def build_parser() -> ArgumentParser:
-    from .. import __version__
-
     parser = ArgumentParser(
         prog="gradaccum",
         description="Gradient accumulation for PyTorch: plan a batch, train at it, prove it exact.",

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
-from ..plan.sizes import parse_count
-from ..utils.errors import BadInput, flag_name
-from .common import print_json
+from . import flags
+from .common import run_of
 
 _EPILOG = """\
 Before the first step it says what it will run; after the first contestant's step, about how
@@ -22,15 +20,9 @@ Peers: pip install 'gradaccum[bench]'. A Hugging Face model from its config, e.g
       --accum-steps 4 --rounds 3 --windows 1
 """
 
-# counts (4k, 1M work), by dest -> help
-_COUNTS = {
-    "micro_batch": "sequences per micro-batch (default 4)",
-    "accum_steps": "micro-batches per optimizer step, k (default 8)",
-    "seq_len": "tokens per sequence (default 128)",
-    "rounds": "timing rounds, order alternating (default 5)",
-    "windows": "optimizer steps timed per round, after one untimed (default 3)",
-    "seed": "seed of the weights and the data (default 0)",
-}
+COUNTS = ("micro_batch", "accum_steps", "seq_len", "rounds", "windows", "seed")
+"""The counts `gradaccum bench` takes (4k, 1M work); None when not given: BenchConfig's
+defaults, which the help states, fill them in."""
 
 
 def add_parser(sub, name: str) -> None:
@@ -42,51 +34,25 @@ def add_parser(sub, name: str) -> None:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument(
-        "--model", metavar="PRESET", help="built-in GPT: tiny, small, gpt2-124m (default tiny)"
+    flags.model(p)
+    flags.model_config(p)
+    flags.micro_batch(p, default=4, filled_in=True)
+    flags.accum_steps(p, default=8, filled_in=True)
+    flags.seq_len(p, default=128, filled_in=True)
+    flags.count(p, "--rounds", help="timing rounds, order alternating", default=5, filled_in=True)
+    flags.count(
+        p,
+        "--windows",
+        help="optimizer steps timed per round, after one untimed",
+        default=3,
+        filled_in=True,
     )
-    p.add_argument("--model-config", metavar="PATH", help="a Hugging Face config.json")
-    for dest, text in _COUNTS.items():
-        p.add_argument(flag_name(dest), dest=dest, metavar="N", help=text)
-    p.add_argument("--device", metavar="DEVICE", default="auto", help="cpu, cuda, ... (auto)")
+    flags.seed(p, of="the weights and the data", filled_in=True)
+    flags.device(p)
     p.add_argument(
         "--peers",
         metavar="NAMES",
         help="comma list of accelerate, trainer, lightning, or none (default: all)",
     )
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(run=run)
-
-
-def config_from_args(args: argparse.Namespace):
-    from ..bench import PEERS, BenchConfig
-
-    values = {}
-    for dest in _COUNTS:
-        text = getattr(args, dest)
-        if text is not None:
-            values[dest] = parse_count(text, flag_name(dest), allow_zero=dest == "seed")
-    if args.peers is not None:
-        names = [n.strip() for n in args.peers.split(",") if n.strip()]
-        values["peers"] = () if names == ["none"] else tuple(names)
-        if not names:
-            raise BadInput("--peers", repr(args.peers), f"name some of {', '.join(PEERS)} or none")
-    return BenchConfig(
-        model=args.model, model_config=args.model_config, device=args.device, **values
-    )
-
-
-def run(args: argparse.Namespace) -> int:
-    from ..bench import render_table, run_bench, to_json
-
-    config = config_from_args(args)
-
-    def progress(line: str) -> None:  # stderr, so that --json keeps stdout to the object
-        print(line, file=sys.stderr, flush=True)
-
-    entries, summary = run_bench(config, progress=progress)
-    if args.json:
-        print_json(to_json(entries, summary))
-    else:
-        sys.stdout.write(render_table(entries, summary))
-    return 0
+    flags.json_output(p)
+    p.set_defaults(run=run_of("bench_run"))

@@ -6,30 +6,14 @@ Pure arithmetic: nothing here imports torch.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
-from ..plan import LR_RULES, PlanInputs, make_plan, render_table
-from ..plan.batch_schedule import parse_batch_schedule
-from ..plan.memory import CHECKPOINTING, OPTIMIZERS, PRECISIONS
-from ..plan.presets import PRESETS
-from ..plan.sizes import parse_bytes, parse_count, parse_float, parse_seconds
-from ..utils.errors import flag_name
+from ..plan import PlanInputs, make_plan, render_table
+from ..plan.memory import CHECKPOINTING, DEFAULT_PRECISION, OPTIMIZERS
+from ..plan.presets import MODEL_SHAPES
+from . import flags
 from .common import print_json
-
-# flag name (dest) -> parser of its text; choices and switches are handled by argparse.
-_COUNTS = (
-    "target_tokens target_sequences accum_steps seq_len micro_batch micro_tokens gpus steps "
-    "total_tokens params layers hidden heads vocab base_batch_tokens trainable_params lora_rank"
-)
-_PARSERS = {name: parse_count for name in _COUNTS.split()}
-_PARSERS.update(
-    micro_step_time=parse_seconds,
-    device_memory=lambda text, flag: parse_bytes(text, flag, bare_unit=10**9),
-    peak_tflops=parse_float,
-    base_lr=parse_float,
-    mfu=lambda text, flag: parse_float(text, flag, allow_percent=True),
-    batch_schedule=parse_batch_schedule,
-)
 
 _EPILOG = """\
 sizes: 4M = 4,000,000  4Mi = 4,194,304  262k  7B  1e6; memory 80GB (1e9 bytes) or 80GiB;
@@ -39,6 +23,8 @@ times 300ms, 1.5s, 2min. Examples:
       --flash-attention --device-memory 80GB --total-tokens 1T --peak-tflops 989 --mfu 0.4
   gradaccum plan --model llama2-7b --lora-rank 16 --device-memory 24GB --seq-len 2048 \\
       --micro-batch 1 --checkpointing full --target-tokens 32k
+  gradaccum plan --target-sequences 128 --seq-len 2048 --micro-batch 1 --model llama2-7b \\
+      --lora-rank 16 --base-bits 4 --checkpointing full --device-memory 24GB   # QLoRA
   gradaccum plan --batch-schedule "0:32k,1B:256k,10B:4M" --total-tokens 20B --seq-len 2048 \\
       --micro-batch 1 --gpus 8 --model llama2-7b --micro-step-time 250ms --base-lr 3e-4 \\
       --lr-rule sqrt
@@ -57,6 +43,9 @@ memory per device assumes (bytes; `gradaccum fit` measures the same terms):
     trained parameter), plus the largest tensor's fresh gradient while it accumulates, plus
     DDP's buckets; AdamW 8 per trained parameter (SGD 4), plus 4 for fp32 master weights in
     bf16/fp16. --trainable-params or --lora-rank: these terms for the trainable part only.
+  --base-bits 4: the frozen base's block linear weights in NF4 with double-quantised
+    constants (bitsandbytes' default), 0.5 + 1/64 + 1/4096 = 0.516 bytes each; 8: LLM.int8,
+    1 byte each + 4 per output row; embeddings, head and norms stay in the parameter dtype.
   activations per block (Korthikanti et al. 2022): 34 s b h + 5 a s^2 b at 16 bits, 66 and 9
     in fp32, dropout masks included; no s^2 term with --flash-attention; the MLP's activation
     one fused kernel (Hugging Face GPT-2's element-wise gelu_new keeps 3 more tensors of the
@@ -76,53 +65,43 @@ def add_parser(sub, name: str) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     batch = p.add_argument_group("global batch per optimizer step (one of)")
-    batch.add_argument("--target-tokens", metavar="N", help="wanted tokens per step (1M, 4Mi)")
-    batch.add_argument("--target-sequences", metavar="N", help="wanted sequences per step")
-    batch.add_argument("--accum-steps", metavar="K", help="k given: the global batch follows")
-    batch.add_argument(
-        "--batch-schedule",
-        metavar="SCHEDULE",
-        help="tokens per step by tokens seen, 0:32k,1B:256k,10B:4M or linear:0:32k,10B:4M; "
-        "needs --total-tokens (see below)",
-    )
+    flags.count(batch, "--target-tokens", help="wanted tokens per step (1M, 4Mi)")
+    flags.count(batch, "--target-sequences", help="wanted sequences per step")
+    flags.accum_steps(batch, note="given, the global batch follows")
+    flags.batch_schedule(batch, note="needs --total-tokens (see below)")
     micro = p.add_argument_group("micro-batch and devices")
-    micro.add_argument("--seq-len", metavar="N", help="tokens per sequence")
-    micro.add_argument("--micro-batch", metavar="N", help="sequences per device per micro-step")
-    micro.add_argument("--micro-tokens", metavar="N", help="tokens per device per micro-step")
-    micro.add_argument("--gpus", "--devices", dest="gpus", metavar="N", help="world size (1)")
+    flags.seq_len(micro)
+    flags.micro_batch(micro)
+    flags.count(micro, "--micro-tokens", help="tokens per device per micro-step")
+    flags.count(micro, "--gpus", "--devices", help="world size (1 when not given)")
     time = p.add_argument_group("time")
-    time.add_argument("--micro-step-time", metavar="T", help="measured time of one micro-step")
-    time.add_argument("--steps", metavar="N", help="optimizer steps of the run")
-    time.add_argument("--total-tokens", metavar="N", help="tokens to train on (steps round up)")
+    flags.seconds(time, "--micro-step-time", help="measured time of one micro-step")
+    flags.count(time, "--steps", help="optimizer steps of the run")
+    flags.count(time, "--total-tokens", help="tokens to train on (steps round up)")
     cost = p.add_argument_group("model and cost")
-    cost.add_argument("--params", metavar="N", help="parameter count (7B)")
-    cost.add_argument("--layers", metavar="N", help="model shape: blocks")
-    cost.add_argument("--hidden", metavar="N", help="model shape: width")
-    cost.add_argument("--heads", metavar="N", help="model shape: attention heads")
-    cost.add_argument("--vocab", metavar="N", help="model shape: vocabulary size")
-    cost.add_argument("--model", metavar="NAME", help=f"preset: {', '.join(PRESETS)}")
-    cost.add_argument("--peak-tflops", metavar="X", help="peak TFLOP/s of one device")
-    cost.add_argument("--mfu", metavar="X", help="model FLOPs utilisation, 0.4 or 40%%")
+    flags.count(cost, "--params", help="parameter count (7B)")
+    flags.count(cost, "--layers", help="model shape: blocks")
+    flags.count(cost, "--hidden", help="model shape: width")
+    flags.count(cost, "--heads", help="model shape: attention heads")
+    flags.count(cost, "--vocab", help="model shape: vocabulary size")
+    flags.model(cost, shapes=MODEL_SHAPES)
+    flags.number(cost, "--peak-tflops", help="peak TFLOP/s of one device")
+    flags.number(cost, "--mfu", help="model FLOPs utilisation, 0.4 or 40%%", allow_percent=True)
     _add_memory_flags(p.add_argument_group("memory per device"))
     lr = p.add_argument_group("learning rate")
-    lr.add_argument(
+    flags.number(
+        lr,
         "--base-lr",
-        metavar="X",
         help="LR tuned at --base-batch-tokens (with --batch-schedule: at its last batch)",
     )
-    lr.add_argument("--base-batch-tokens", metavar="N", help="global batch of --base-lr, tokens")
-    lr.add_argument(
-        "--lr-rule",
-        choices=LR_RULES,
-        help="LR for a batch c times the base: x 1, x c, x sqrt(c); default sqrt for adamw, "
-        "linear for sgd, none with --batch-schedule",
-    )
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    flags.count(lr, "--base-batch-tokens", help="global batch of --base-lr, tokens")
+    flags.lr_rule(lr, note="default sqrt for adamw, linear for sgd, none with --batch-schedule")
+    flags.json_output(p)
     p.set_defaults(run=run)
 
 
 def _add_memory_flags(memory) -> None:
-    memory.add_argument("--precision", choices=PRECISIONS, help="bf16 (default): mixed precision")
+    flags.precision(memory, default=DEFAULT_PRECISION, filled_in=True)
     memory.add_argument("--optimizer", choices=OPTIMIZERS, help="adamw (default) or sgd")
     memory.add_argument("--zero", choices=["0", "1", "2", "3"], help="ZeRO stage over --gpus")
     memory.add_argument(
@@ -141,37 +120,33 @@ def _add_memory_flags(memory) -> None:
         help="sync gradients after every micro-batch (ZeRO-2/3: sharded gradients, k x traffic);"
         " default: once per window",
     )
-    memory.add_argument("--device-memory", metavar="SIZE", help="80GB, 64GiB; bare number: GB")
-    memory.add_argument(
+    flags.size(memory, "--device-memory", help="80GB, 64GiB; bare number: GB")
+    flags.count(
+        memory,
         "--trainable-params",
-        metavar="N",
         help="parameters that train, the rest frozen (40M): gradients, fp32 buffer and "
         "optimizer state for these only",
     )
-    memory.add_argument(
-        "--lora-rank",
-        metavar="R",
-        help="LoRA at rank R on every linear layer of every block (needs a model shape)",
+    flags.lora_rank(
+        memory, help="LoRA at rank R on every linear layer of every block (needs a model shape)"
+    )
+    flags.count(
+        memory,
+        "--base-bits",
+        metavar="BITS",
+        help="the frozen base stored in 4 (NF4, QLoRA), 8 (LLM.int8) or 16 bits (the default "
+        "under bf16); needs --lora-rank or --trainable-params; training a 4- or 8-bit base "
+        "needs bitsandbytes on a GPU, not provided by gradaccum train",
     )
 
 
 def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
-    """PlanInputs from parsed flags; raises BadInput naming the flag and value."""
-    values = {}
-    for name, parse in _PARSERS.items():
-        text = getattr(args, name)
-        values[name] = None if text is None else parse(text, flag_name(name))
-    return PlanInputs(
-        **values,
-        model=args.model,
-        precision=args.precision,
-        optimizer=args.optimizer,
-        zero=None if args.zero is None else int(args.zero),
-        checkpointing=args.checkpointing,
-        flash_attention=args.flash_attention,
-        sync_every_micro_batch=args.sync_every_micro_batch,
-        lr_rule=args.lr_rule,
-    )
+    """PlanInputs from the parsed flags (read as they were parsed); raises BadInput naming
+    the flag and value."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(PlanInputs)}
+    if values["zero"] is not None:
+        values["zero"] = int(values["zero"])
+    return PlanInputs(**values)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -23,11 +23,16 @@ agent reports the signal it received): the checkpoint is in --out/checkpoints al
 from __future__ import annotations
 
 import argparse
-import os
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
 
 from ..train.config import FLAGS, merge_settings
 from ..utils.errors import BadInput, first_line, flag_name
-from .common import print_json
+from . import flags
+from .common import run_of
 
 
 def add_parser(sub, name: str) -> None:
@@ -38,7 +43,9 @@ def add_parser(sub, name: str) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     for key, spec in FLAGS.items():
-        if spec.kind == "bool":
+        if key in flags.SHARED:  # the flag as every command has it; TrainConfig reads it
+            flags.SHARED[key](p, config=spec)
+        elif spec.kind == "bool":
             p.add_argument(
                 flag_name(key),
                 dest=key,
@@ -61,15 +68,11 @@ def add_parser(sub, name: str) -> None:
         default=None,
         help="TOML file whose keys are these flags; the command line wins",
     )
-    p.set_defaults(run=run)
+    p.set_defaults(run=run_of("train_run"))
 
 
 def read_toml(path: str) -> dict:
     """The flags a TOML file sets, by field name; unknown keys are refused, all named."""
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        import tomli as tomllib
     try:
         with open(path, "rb") as f:
             data = tomllib.load(f)
@@ -100,37 +103,3 @@ def given_values(args: argparse.Namespace) -> dict:
     from_file = read_toml(args.config_file) if args.config_file else {}
     on_line = {k: v for k, v in vars(args).items() if k in FLAGS}
     return merge_settings(from_file, on_line)
-
-
-def run(args: argparse.Namespace) -> int:
-    from ..train.loop import TrainConfig, train
-    from ..train.resume import settings_to_resume
-
-    values = given_values(args)
-    if values.get("resume"):
-        values = settings_to_resume(values)
-    config = TrainConfig(**values)
-    summary = train(config)
-    if os.environ.get("RANK", "0") != "0":
-        return 0
-    if config.json:
-        print_json(summary)
-    else:
-        print(_human(summary))
-    return 130 if summary["stopped"] == "SIGINT" else 0
-
-
-def _human(s: dict) -> str:
-    def num(x, fmt=".4f"):
-        return "n/a" if x is None else format(x, fmt)
-
-    floor = f", entropy floor {s['entropy_floor']:.4f}" if s["entropy_floor"] is not None else ""
-    lines = [
-        f"{'stopped' if s['stopped'] else 'done'}: {s['steps']}/{s['total_steps']} steps, "
-        f"{s['tokens']:,} tokens, {s['tokens_per_s']:,.0f} tokens/s, {s['wall_s']:.1f} s",
-        f"loss {num(s['initial_loss'])} -> {num(s['final_loss'])} "
-        f"(held out {num(s['final_eval_loss'])}); ln V {s['ln_vocab']:.4f}{floor}",
-        f"out {s['out']}: {', '.join(s['files'])}"
-        + "".join(f"; {name} not written ({why})" for name, why in s["not_written"].items()),
-    ]
-    return "\n".join(lines)

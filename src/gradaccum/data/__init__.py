@@ -1,5 +1,10 @@
-"""Data for training: tokenizers and supervised fine-tuning (SFT) examples.
+"""Data for training: token streams and their batches, tokenizers and supervised fine-tuning
+(SFT) examples.
 
+- `tokens`: `load_tokens`, the built-in corpus (`corpus`) or the user's token files, split
+  into training and held-out sequences; `batches`: those sequences in micro-batches
+  (`Batches`, `eval_batches`); `hf_datasets`: `--data hf:NAME` from the local datasets cache,
+  for pretraining text and SFT rows alike;
 - `tokenizers`: the interface the trainer tokenizes through, the built-in byte tokenizer and a
   Hugging Face tokenizer read from a local folder, with their chat templates;
 - `sft_rows`: SFT rows read from .jsonl / .json / .parquet or the local datasets cache, and

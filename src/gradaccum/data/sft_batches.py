@@ -25,7 +25,7 @@ nothing to the gradient and lets it join the window's collectives.
 Micro-batches are dicts of (b, T) int64 tensors, T the micro-batch's own longest row:
 "input_ids" (padded with pad_id), "labels" (-100 on padding and non-targets), "attention_mask"
 (1 on real tokens). The layout follows the loss (sft_examples): "shifted" for
-gradaccum.models.gpt.causal_lm_loss, "unshifted" for gradaccum.hf.loss_fn.
+gradaccum.models.loss.causal_lm_loss, "unshifted" for gradaccum.hf.loss_fn.
 """
 
 from __future__ import annotations

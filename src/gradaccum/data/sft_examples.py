@@ -4,7 +4,7 @@ Labels convention (`Example`): `labels` has one entry per token of `input_ids`, 
 labels[t] is input_ids[t] where token t is a target and -100 elsewhere. The first token is
 never a target (nothing before it predicts it), so labels[0] is always -100. The two losses
 read it through `sft_batches.collate`:
-- layout "shifted" (gradaccum.models.gpt.causal_lm_loss, which expects labels already
+- layout "shifted" (gradaccum.models.loss.causal_lm_loss, which expects labels already
   shifted): input_ids[:-1] as inputs, labels[1:] as labels (the label at t is the token after
   input t);
 - layout "unshifted" (gradaccum.hf.loss_fn and hf.count_tokens, which shift themselves, as

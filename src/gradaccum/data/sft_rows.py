@@ -8,7 +8,8 @@ Sources (`read_rows(spec)`, `--data spec`):
   the list, from 0 ("sft.json row 6", as `rows[6]`);
 - `PATH.parquet`: read with pyarrow (or pandas when pyarrow is missing); rows from 0;
 - `hf:NAME[:SPLIT]`: `datasets.load_dataset(NAME, split=SPLIT or "train")` from the local
-  cache only (offline, never the network; NAME may also be a local folder); rows from 0.
+  cache only (offline, never the network; NAME may also be a local folder;
+  `gradaccum.data.hf_datasets`); rows from 0.
 `.txt`, `.bin` and `.npy` hold text or tokens for pretraining and are refused.
 
 Formats (`detect_format`, or forced by `--data-format`), from the first readable row's fields:
@@ -26,13 +27,12 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..utils.errors import BadInput, first_line
+from .hf_datasets import load_hf_dataset
 
 __all__ = [
     "FORMATS",
@@ -219,46 +219,8 @@ def _plain(value):
     return value
 
 
-@contextmanager
-def _offline() -> Iterator[None]:
-    """datasets kept to its local cache: the environment for a first import, its config flag
-    for an import already made; both put back afterwards."""
-    names = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
-    saved = {name: os.environ.get(name) for name in names}
-    os.environ.update({name: "1" for name in names})
-    import datasets
-
-    was = datasets.config.HF_HUB_OFFLINE
-    datasets.config.HF_HUB_OFFLINE = True
-    try:
-        yield
-    finally:
-        datasets.config.HF_HUB_OFFLINE = was
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
 def _read_hf(spec: str) -> list[Row]:
-    name, _, split = spec[3:].partition(":")
-    flag = f"--data {spec}"
-    if not name:
-        raise BadInput(f"{flag}: expected hf:NAME[:SPLIT]")
-    try:
-        import datasets
-    except ImportError:
-        raise BadInput(
-            f"{flag}: needs the datasets package (pip install 'gradaccum[hf]')"
-        ) from None
-    try:
-        with _offline():
-            ds = datasets.load_dataset(name, split=split or "train")
-    except Exception as err:  # datasets raises many kinds (missing, offline, bad split)
-        raise BadInput(
-            f"{flag}: cannot load from the local datasets cache ({first_line(err)})"
-        ) from None
+    ds = load_hf_dataset(spec)
     return [Row(f"{spec} row {i}", i, item) for i, item in enumerate(ds)]
 
 

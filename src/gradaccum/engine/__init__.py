@@ -3,10 +3,11 @@
 - `accumulator`: `Accumulator`, which runs windows on a model and its optimizer, and
   `windows`, which groups micro-batches into windows;
 - `window`: one window in progress (`Window`), its result (`StepResult`) and the backward
-  scale each micro-batch carries (`backward_scale`), with the checks of `loss_fn`'s contract;
+  scale each micro-batch carries (`backward_scale`);
+- `loss_contract`: the checks of what `loss_fn` returns, in one-line errors;
 - `grad_store`: where the window's gradient lives (fp32 buffers for 16-bit parameters, master
   weights) until the optimizer takes it;
-- `precision`: the precisions, autocast and the fp16 loss scaler;
+- `precision`: autocast for a precision name and the fp16 loss scaler;
 - `noise`: the gradient noise scale from the per-micro-batch gradients.
 """
 

@@ -11,7 +11,7 @@ The rules it keeps (docs/design.md, "Numerical rules" and "Engine rules"):
   learnable temperature in loss_fn): cleared, buffered, corrected, clipped, and under data
   parallelism all-reduced by the engine where no wrapper syncs it;
 - low-precision parameters add each gradient into an fp32 buffer as it is produced
-  (`grads.GradStore`);
+  (`grad_store.GradStore`);
 - a non-finite loss or gradient anywhere in the window skips the whole window;
 - a window runs exactly its micro-steps and is used once (`window.Window`);
 - nothing per micro-batch outlives its micro-step: host memory does not grow with k.
@@ -27,11 +27,13 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
-from ..parallel import sync
+from ..parallel import backends, collectives
+from ..utils.choices import PRECISIONS
 from .grad_store import GradStore
+from .loss_contract import loss_pair
 from .noise import NoiseScale
-from .precision import PRECISIONS, LossScaler, autocast_dtype, is_low_precision
-from .window import StepResult, Window, backward_scale, loss_pair
+from .precision import LossScaler, autocast_dtype, is_low_precision
+from .window import StepResult, Window, backward_scale
 
 __all__ = ["Accumulator", "StepResult", "Window", "backward_scale", "count_labels", "windows"]
 
@@ -85,9 +87,9 @@ class Accumulator:
 
     model: a plain module, or one wrapped in DistributedDataParallel or sharded with FSDP2,
       either of them possibly inside torch.compile (their gradient collectives get counted:
-      `sync.count_grad_traffic`, which also says how to keep a DDP communication hook of
+      `backends.count_grad_traffic`, which also says how to keep a DDP communication hook of
       your own). Under FSDP2 the engine turns on FSDP2's reduce-scatter of unused parameters
-      (`sync.fsdp2_reduce_unused`), so a parameter unused on some rank is exact.
+      (`FSDP2.reduce_unused_parameters`), so a parameter unused on some rank is exact.
     optimizer: every parameter it holds that requires grad is stepped from the window's
       gradient; those outside the model (`extras`) are broadcast from the first rank once
       and all-reduced by the engine once per window under DDP or FSDP2.
@@ -150,18 +152,18 @@ class Accumulator:
         if not params:
             raise ValueError("model has no parameters that require grad")
         self.device = params[0].device
-        self.dp = sync.data_parallel(model, group)
-        """The model's wrapper, data-parallel group and its size (`sync.DataParallel`)."""
+        self.dp = backends.data_parallel(model, group)
+        """The model's data-parallel backend, chosen once: its wrapper, group and size, and
+        how it syncs (`parallel.backends.Backend`)."""
         self.extras = _outside_model(optimizer, params)
         """(name, parameter) of each trainable parameter the optimizer holds and the model
         does not, named by its place in the optimizer (`param_groups[g][i]`)."""
         extras = [p for _, p in self.extras]
         params += extras
         _refuse_low_precision_sums(self.dp, params, accum_dtype, sync_every_micro_batch)
-        if self.dp.averages and self.dp.world > 1:
-            sync.broadcast_from_first(extras, self.dp.group)  # replicas start alike
-            if self.dp.kind == "fsdp2":
-                sync.fsdp2_reduce_unused(self.dp.wrapper)
+        if self.dp.averages_over_ranks and self.dp.world > 1:
+            collectives.broadcast_from_first(extras, self.dp.group)  # replicas start alike
+            self.dp.reduce_unused_parameters()
         self.store = GradStore(params, self.dp, optimizer, accum_dtype, master_weights, extras)
         """Where the window's gradient lives until the optimizer takes it."""
         self.noise = self._make_noise(params, noise_decay) if noise_scale else None
@@ -173,7 +175,7 @@ class Accumulator:
     def _make_noise(self, params, decay: float) -> NoiseScale:
         if self.normalize != "tokens":
             raise ValueError("noise_scale=True needs normalize='tokens' (the window's token mean)")
-        if self.dp.kind == "fsdp2":
+        if self.dp.shards_gradients:
             raise ValueError(
                 "noise_scale=True needs each micro-batch's own gradient, which FSDP2 does not "
                 "expose per micro-batch; use DDP or one device"
@@ -272,9 +274,9 @@ class Accumulator:
         counted = self._count_local(micro_batches) if tokens is None else int(tokens)
         known = counted is not None and self.normalize == "tokens"
         capacity = None if known else _label_capacity(micro_batches)
-        size = sync.WindowSize(counted or 0, local_steps, capacity)
-        if self.dp.averages:
-            size = sync.agree_on_window_size(
+        size = collectives.WindowSize(counted or 0, local_steps, capacity)
+        if self.dp.averages_over_ranks:
+            size = collectives.agree_on_window_size(
                 counted or 0, local_steps, self.dp.group, has_batch, capacity
             )
         floor = self._tokens_per_micro_step * size.micro_steps
@@ -367,26 +369,26 @@ def _outside_model(optimizer, model_params) -> list[tuple[str, torch.nn.Paramete
 
 def _refuse_low_precision_sums(dp, params, accum_dtype, sync_every_micro_batch) -> None:
     """Refuse the combinations whose window sum would silently be added in bf16/fp16 although
-    fp32 accumulation (`accum_dtype`) was asked for."""
+    fp32 accumulation (`accum_dtype`) was asked for. Asked of the backend: the engine syncs
+    its fp32 buffers itself under DDP only, and only FSDP2 shards gradients and adds them in
+    a dtype of its own."""
     if is_low_precision(accum_dtype):
         return
     low = next((p.dtype for p in params if is_low_precision(p.dtype)), None)
-    if dp.kind == "ddp" and dp.world > 1 and low is not None and sync_every_micro_batch:
+    if dp.buffers_synced_by_engine and low is not None and sync_every_micro_batch:
         raise ValueError(
             f"sync_every_micro_batch=True with DDP and {low} parameters: DDP would all-reduce "
             f"every micro-batch's gradient in {low}, while the engine adds the window in fp32 "
             "and all-reduces that sum once; drop sync_every_micro_batch (or keep fp32 "
             "parameters)"
         )
-    if dp.kind != "fsdp2":
-        return
-    summed_in = sync.fsdp2_accumulation_dtype(dp.wrapper)
+    summed_in = dp.accumulation_dtype()
     if summed_in is not None and is_low_precision(summed_in):
         raise ValueError(
             f"FSDP2 would add the window's micro-batch gradients in {summed_in}: shard with "
             "fully_shard(..., mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))"
         )
-    if low is not None and sync_every_micro_batch:
+    if dp.shards_gradients and low is not None and sync_every_micro_batch:
         raise ValueError(
             f"sync_every_micro_batch=True with FSDP2 and {low} parameters: each micro-batch's "
             f"reduced shard would be added to the last in {low}; drop sync_every_micro_batch "

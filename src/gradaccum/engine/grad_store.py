@@ -22,7 +22,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ..parallel import sync
+from ..parallel import collectives
+from ..parallel.backends import Backend
 from .precision import is_low_precision
 
 
@@ -31,14 +32,14 @@ class GradStore:
     wrote, master weights, and the engine's own sync where it owns it.
 
     params: the parameters that require grad: the model's, then `extras`, those only the
-    optimizer holds. dp: the model's data parallelism (`sync.data_parallel`). optimizer:
+    optimizer holds. dp: the model's data-parallel backend (`backends.data_parallel`). optimizer:
     re-pointed at the master weights when there are any.
     """
 
     def __init__(
         self,
         params: list[torch.nn.Parameter],
-        dp: sync.DataParallel,
+        dp: Backend,
         optimizer: torch.optim.Optimizer,
         accum_dtype: torch.dtype = torch.float32,
         master_weights: bool = False,
@@ -50,9 +51,9 @@ class GradStore:
         self._optimizer = optimizer
         # FSDP2 reduces and shards the model's gradients itself (its MixedPrecisionPolicy sets
         # the reduce dtype), so there only parameters outside the model may need a buffer.
-        self._candidates = self._extras if dp.kind == "fsdp2" else params
+        self._candidates = self._extras if dp.shards_gradients else params
         buffered = any(_needs_buffer(p, accum_dtype) for p in self._candidates)
-        self.manual_sync = buffered and dp.kind == "ddp" and dp.world > 1
+        self.manual_sync = buffered and dp.buffers_synced_by_engine
         """Whether the store all-reduces the window's gradient itself (DDP never syncs)."""
         self._buffers: dict[torch.Tensor, torch.Tensor] = {}
         self._hooks: list = []  # handles of the buffer hooks, removed by close()
@@ -63,9 +64,8 @@ class GradStore:
         self._masters: dict[torch.Tensor, torch.nn.Parameter] = {}
         if master_weights:
             self._make_masters()
-        self._traffic = sync.count_grad_traffic(dp.wrapper) if dp.averages else None
+        self._traffic = dp.count_traffic() if dp.averages_over_ranks else None
         self._own_traffic = (0, 0)  # the all-reduce of parameters outside the model, this window
-        self._fsdp2 = sync.fsdp2_modules(dp.wrapper) if dp.kind == "fsdp2" else []
 
     # ---- building -------------------------------------------------------------------------
 
@@ -91,7 +91,7 @@ class GradStore:
         p.grad = None  # free the low-precision gradient at once
 
     def _make_masters(self) -> None:
-        if self._dp.kind == "fsdp2":
+        if self._dp.shards_gradients:
             raise ValueError(
                 "master_weights=True does not apply to FSDP2: keep the parameters in fp32 and "
                 "shard with fully_shard(..., mp_policy=MixedPrecisionPolicy("
@@ -123,7 +123,7 @@ class GradStore:
                 if id(p) not in self._written:
                     buf.zero_()  # a parameter unused on this rank adds nothing
             dist.all_reduce(self._flat, group=self._dp.group)
-        elif self._extras and self._dp.averages and self._dp.world > 1:
+        elif self._extras and self._dp.averages_over_ranks and self._dp.world > 1:
             self._reduce_extras()
 
     def _reduce_extras(self) -> None:
@@ -142,7 +142,7 @@ class GradStore:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 grad = p.grad
-            grad.copy_(sync.all_reduce_sum(grad, self._dp.group))  # on the backend's device
+            grad.copy_(collectives.all_reduce_sum(grad, self._dp.group))  # on the backend's device
             grad.div_(self._dp.world)
             nbytes += grad.numel() * grad.element_size()
         self._own_traffic = (len(self._extras), nbytes)
@@ -189,28 +189,27 @@ class GradStore:
         self._written.clear()
 
     def drop_unreduced(self, reset: bool = False) -> None:
-        """Drop the gradients FSDP2 keeps unreduced from micro-batches run without sync (an
-        abandoned window's, or any backward since the last sync); `reset` FSDP2's iteration
-        state too (`sync.drop_unreduced_grads`)."""
-        if self._fsdp2:
-            sync.drop_unreduced_grads(self._fsdp2, reset)
+        """Drop the gradients the wrapper keeps unreduced from micro-batches run without sync
+        (FSDP2: an abandoned window's, or any backward since the last sync); `reset` its
+        iteration state too (`Backend.drop_unreduced_grads`)."""
+        self._dp.drop_unreduced_grads(reset)
 
     def traffic(self) -> tuple[int, int]:
         """(gradient collectives, bytes) launched so far: the counter's running totals, 0 for
         manual sync (counted per window by `window_traffic`), -1 where not counted."""
         if self._traffic is not None:
             return self._traffic.collectives, self._traffic.bytes
-        return (-1, -1) if self._dp.averages and not self.manual_sync else (0, 0)
+        return (-1, -1) if self._dp.averages_over_ranks and not self.manual_sync else (0, 0)
 
     def window_traffic(self, start: tuple[int, int]) -> tuple[int, int]:
         """(collectives, bytes) of gradient this rank handed to collectives since `start`."""
         if self.manual_sync:  # DDP never syncs: the store's one all-reduce is the traffic
             return 1, self._flat.numel() * self._flat.element_size()
-        collectives, nbytes = self.traffic()
-        if collectives < 0 or not self._dp.averages:
-            return collectives, nbytes
-        own_collectives, own_bytes = self._own_traffic
-        return collectives - start[0] + own_collectives, nbytes - start[1] + own_bytes
+        launched, nbytes = self.traffic()
+        if launched < 0 or not self._dp.averages_over_ranks:
+            return launched, nbytes
+        own_launched, own_bytes = self._own_traffic
+        return launched - start[0] + own_launched, nbytes - start[1] + own_bytes
 
     # ---- checkpointing --------------------------------------------------------------------
 

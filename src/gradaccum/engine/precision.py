@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+from ..utils.choices import PRECISIONS
+
 _AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 

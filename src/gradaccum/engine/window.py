@@ -10,20 +10,21 @@ rules (docs/design.md, "Numerical rules"), a window keeps the engine's rules of 
 - it is used once: after `finish()` or `abandon()` every call refuses;
 - a micro-step that raises drops the window (its partial gradients are not the window's);
 - `loss_fn` (or `backward`) gets one-line errors naming what it returned when it breaks the
-  contract: (loss summed over valid tokens, a tensor with its graph; their count).
+  contract (`loss_contract`): (loss summed over valid tokens, a tensor with its graph; their
+  count).
 """
 
 from __future__ import annotations
 
 import math
-import numbers
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from ..parallel import devices, sync
+from ..parallel import collectives, devices
+from .loss_contract import checked_loss
 from .noise import NoiseEstimate
 
 if TYPE_CHECKING:
@@ -67,7 +68,7 @@ class StepResult:
     FSDP2 reduce-scatters, or the engine's own all-reduce of its fp32 buffer (bf16/fp16
     parameters under DDP) and of parameters outside the model. 0 on one device; -1 when they
     could not be counted (a DDP model that already had a communication hook: see
-    `sync.count_grad_traffic`)."""
+    `parallel.backends.count_grad_traffic`)."""
     grad_bytes: int = 0
     """Bytes of gradient this rank handed to those collectives (-1 when not counted)."""
     noise: NoiseEstimate | None = None
@@ -98,64 +99,6 @@ def backward_scale(
     if normalize == "tokens":
         return undo_average * loss_scale / max(tokens, 1)
     return undo_average * loss_scale / max(micro_steps * world, 1)
-
-
-def loss_pair(out) -> tuple:
-    """`loss_fn`'s return value as (loss_sum, num_tokens), or a one-line error naming it."""
-    if isinstance(out, (tuple, list)) and len(out) == 2:
-        return out
-    raise TypeError(
-        f"loss_fn returned {_describe(out)}: it must return (loss_sum, num_tokens), the loss "
-        "summed over the batch's valid tokens and their count"
-    )
-
-
-def checked_loss(loss_sum, num_tokens, source: str) -> torch.Tensor:
-    """The loss as a 0-d fp32 tensor, or a one-line error naming what `source` ("loss_fn
-    returned", "Window.backward got") handed over. Type and shape checks only: no host sync."""
-    if not isinstance(loss_sum, torch.Tensor):
-        value = f" ({loss_sum:.6g})" if isinstance(loss_sum, numbers.Real) else ""
-        raise TypeError(
-            f"{source} a {type(loss_sum).__name__} loss{value}: the loss must be a tensor with "
-            "its graph, summed over the batch's valid tokens"
-        )
-    if loss_sum.numel() != 1:
-        raise ValueError(
-            f"{source} a loss of shape {tuple(loss_sum.shape)}: it must be one number, the loss "
-            "summed (.sum()) over the batch's valid tokens, not one per row or token"
-        )
-    if not loss_sum.requires_grad:
-        raise ValueError(
-            f"{source} a loss without a graph (requires_grad=False): compute it from the "
-            "model's output with gradients enabled"
-        )
-    if isinstance(num_tokens, torch.Tensor):
-        bad = num_tokens.numel() != 1 or num_tokens.is_complex()
-    else:
-        bad = isinstance(num_tokens, bool) or not isinstance(num_tokens, numbers.Real)
-    if bad:
-        what = (
-            f"of shape {tuple(num_tokens.shape)}"
-            if isinstance(num_tokens, torch.Tensor)
-            else repr(num_tokens)
-        )
-        raise TypeError(
-            f"{source} num_tokens {what}: it must be the batch's count of valid tokens, one "
-            "number (an int or a 0-d tensor)"
-        )
-    return (loss_sum if loss_sum.dim() == 0 else loss_sum.reshape(())).float()
-
-
-def _describe(x) -> str:
-    if x is None:
-        return "None"
-    if isinstance(x, (tuple, list)):
-        return f"a {type(x).__name__} of {len(x)} values"
-    if isinstance(x, torch.Tensor):
-        return f"a tensor of shape {tuple(x.shape)}"
-    if isinstance(x, numbers.Real):
-        return f"a {type(x).__name__} ({x:.6g})"
-    return f"a {type(x).__name__}"
 
 
 @dataclass
@@ -239,7 +182,7 @@ class Window:
             tokens,
             self.micro_steps,
             self._world,
-            acc.dp.averages and not acc.store.manual_sync,
+            acc.dp.averages_over_ranks and not acc.store.manual_sync,
             loss_scale,
         )
 
@@ -262,7 +205,7 @@ class Window:
         self._in_micro, self._ran_backward = True, False
         try:
             with ExitStack() as stack:
-                stack.enter_context(sync.no_backward_sync(acc.dp.wrapper, enabled=skip_sync))
+                stack.enter_context(acc.dp.no_backward_sync(enabled=skip_sync))
                 stack.enter_context(devices.autocast(acc.device, acc.autocast_dtype))
                 yield
         except BaseException:
@@ -318,8 +261,8 @@ class Window:
         # never below the floor (the previous window's rate, at least 1 token per micro-step).
         # One host sync, and under data parallelism one 8-byte all-reduce; `finish` corrects.
         first = torch.as_tensor(first_tokens, dtype=torch.float64, device=self.acc.device)
-        if self.acc.dp.averages:
-            first = sync.all_reduce_sum(first.reshape(1), self.acc.dp.group)
+        if self.acc.dp.averages_over_ranks:
+            first = collectives.all_reduce_sum(first.reshape(1), self.acc.dp.group)
         estimate = max(float(first.sum()) * self.micro_steps, self._floor)
         return self._scale_for(estimate, self.acc.scaler.scale)
 
@@ -401,8 +344,8 @@ class Window:
         if acc.noise is not None:  # they travel in the window's one small all-reduce
             rows = torch.tensor([float(self.sequences)], dtype=sums.dtype, device=sums.device)
             sums = torch.cat([sums, acc.noise.local_sums().to(sums.device), rows])
-        if acc.dp.averages:
-            sums = sync.all_reduce_sum(sums, acc.dp.group)
+        if acc.dp.averages_over_ranks:
+            sums = collectives.all_reduce_sum(sums, acc.dp.group)
         loss_total, seen = sums[0], sums[1]
         n_tokens = seen if self.tokens is None else torch.full_like(seen, self.tokens)
         if acc.normalize == "tokens":

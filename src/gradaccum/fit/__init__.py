@@ -1,22 +1,18 @@
 """The micro-batch that fits and is fastest here, with the global batch held by k.
 
-- `probe`: runs forward, backward and the optimizer step at growing sizes, counting memory and
+- `probe`: runs forward, backward and the optimizer step at growing sizes, measuring memory and
   timing them (`find_micro_batch`, `measure_step`);
+- `memory`: one step's memory by term, counted on CPU with saved-tensor hooks (`MemoryUse`);
 - `search`: which sizes to probe and time, and the choice among them (no torch);
+- `result`: each size tried and the choice (`Candidate`, `FitResult`, `NothingFits`);
 - `report`: the table and the lines that explain the choice.
 """
 
-from .probe import (
-    Candidate,
-    FitResult,
-    MemoryUse,
-    NothingFits,
-    find_micro_batch,
-    measure_step,
-    out_of_memory_errors,
-    set_checkpointing,
-)
+from ..models.checkpointing import set_checkpointing
+from .memory import MemoryUse
+from .probe import find_micro_batch, measure_step
 from .report import choice_notes, render_table
+from .result import Candidate, FitResult, NothingFits
 from .search import BATCH_TOLERANCE, choose, largest_fitting, to_time
 
 __all__ = [
@@ -30,7 +26,6 @@ __all__ = [
     "find_micro_batch",
     "largest_fitting",
     "measure_step",
-    "out_of_memory_errors",
     "render_table",
     "set_checkpointing",
     "to_time",

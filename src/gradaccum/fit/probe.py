@@ -39,16 +39,19 @@ import statistics
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import torch
 
 from ..engine.accumulator import Accumulator
 from ..engine.precision import LossScaler
-from ..parallel import devices, sync
+from ..models.checkpointing import checkpointing_enabled, first_block, set_checkpointing
+from ..models.optimizer import adamw
+from ..parallel import collectives, devices
 from ..plan.sizes import fmt_bytes, fmt_int
 from ..utils.errors import BadInput
+from .memory import MemoryUse, SavedTensorCounter, optimizer_tensors, storage_bytes, storage_key
 from .report import choice_notes, render_table
+from .result import Candidate, FitResult, NothingFits
 from .search import BATCH_TOLERANCE, NOISE_FLOOR, Target, choose, largest_fitting, search, to_time
 
 __all__ = ["BATCH_TOLERANCE", "FitResult", "choose", "find_micro_batch", "largest_fitting"]
@@ -61,263 +64,12 @@ MIN_TIMED_STEPS = 2
 MAX_TIMED_STEPS = 8
 
 
-def out_of_memory_errors() -> tuple[type[BaseException], ...]:
-    """The exception types that mean 'out of device memory' (torch's and the NPU's)."""
-    return devices.out_of_memory_errors()
-
-
-@dataclass
-class MemoryUse:
-    """What one training step held at its peak, in bytes, by term."""
-
-    params: int
-    """Parameters (unique storages: tied weights once)."""
-    grads: int
-    """Gradients: the .grad tensors, plus the engine's fp32 buffers for 16-bit parameters."""
-    buffers: int
-    """Module buffers (masks, running statistics)."""
-    optimizer: int
-    """Optimizer state (AdamW: two moments and a step count per parameter)."""
-    activations: int
-    """CPU: unique storages saved for backward. Accelerators: the peak less the terms above."""
-    peak: int
-    """The whole: the allocator's peak on accelerators, the sum of the five terms on CPU."""
-    source: str
-    """How the peak was measured: 'saved tensors' (CPU) or 'allocator peak'."""
-
-    @property
-    def state(self) -> int:
-        """The part that does not grow with the micro-batch."""
-        return self.params + self.grads + self.buffers + self.optimizer
-
-
-@dataclass
-class Candidate:
-    """One micro-batch size tried, with activation checkpointing off or on."""
-
-    micro_batch: int
-    """Sequences per micro-step on each rank."""
-    checkpointing: bool
-    """Activation checkpointing on."""
-    fits: bool
-    """Ran without running out of memory and within the budget, on every rank."""
-    why: str = ""
-    """Why it does not fit: 'out of memory' or 'over budget'; '' when it fits."""
-    memory: MemoryUse | None = None
-    """Measured memory; None after an out-of-memory error."""
-    tokens_per_s: float | None = None
-    """Training tokens per second on this rank (forward, backward, optimizer step) of the
-    fastest timed step; None when not timed (the smaller sizes bisection tried)."""
-    noise: float = NOISE_FLOOR
-    """Relative spread of the timed steps, (median - fastest) / median, at least NOISE_FLOOR."""
-
-    @property
-    def peak_memory_bytes(self) -> int | None:
-        return None if self.memory is None else self.memory.peak
-
-    def to_dict(self) -> dict:
-        return {**_measured(self), "fits": self.fits}
-
-
-def _measured(x: Candidate | FitResult) -> dict:
-    """The JSON fields a candidate and the chosen size share."""
-    peak = x.peak_memory_bytes
-    return {
-        "micro_batch": x.micro_batch,
-        "checkpointing": x.checkpointing,
-        "tokens_per_s": x.tokens_per_s,
-        "peak_memory_gb": None if peak is None else peak / 1e9,
-    }
-
-
-@dataclass
-class FitResult:
-    """The micro-batch chosen, the k that keeps the target, and every candidate tried."""
-
-    micro_batch: int
-    """Sequences per micro-step on each rank (the same on every rank)."""
-    accum_steps: int
-    """k = round(target / (micro_batch x seq_len x world)), at least 1."""
-    checkpointing: bool
-    """Train with activation checkpointing on."""
-    tokens_per_s: float | None
-    """Measured training tokens per second of the chosen candidate, on this rank."""
-    memory: MemoryUse | None
-    """Measured memory of the chosen candidate."""
-    seq_len: int
-    """Tokens per sequence."""
-    world_size: int
-    """Ranks."""
-    target_tokens: int
-    """Tokens per optimizer step asked for (all ranks together)."""
-    budget_bytes: int | None
-    """The memory bound of the search, when there was one."""
-    candidates: list[Candidate] = field(default_factory=list)
-    """Every size probed, in the order probed."""
-    batch_tolerance: float = BATCH_TOLERANCE
-    """How far from the target (a fraction) the global batch was allowed to land for speed."""
-
-    @property
-    def target(self) -> Target:
-        return Target(self.target_tokens, self.seq_len * self.world_size)
-
-    @property
-    def global_batch_tokens(self) -> int:
-        """micro_batch x seq_len x k x world: the tokens per step the run really takes."""
-        return self.micro_batch * self.seq_len * self.accum_steps * self.world_size
-
-    @property
-    def target_deviation(self) -> float:
-        """(global - target) / target, a signed fraction."""
-        return (self.global_batch_tokens - self.target_tokens) / self.target_tokens
-
-    @property
-    def peak_memory_bytes(self) -> int | None:
-        return None if self.memory is None else self.memory.peak
-
-    def to_dict(self) -> dict:
-        """The `gradaccum fit --json` object."""
-        return {
-            **_measured(self),
-            "accum_steps": self.accum_steps,
-            "global_batch_tokens": self.global_batch_tokens,
-            "target_deviation": self.target_deviation,
-            "batch_tolerance": self.batch_tolerance,
-            "candidates": [c.to_dict() for c in self.candidates],
-        }
-
-
-class NothingFits(BadInput):
-    """Not even one sequence per micro-batch fits; `needs` is what micro-batch 1 measured
-    (bytes), None when the device ran out of memory before it could be measured."""
-
-    def __init__(self, flag: str, value, why: str, needs: int | None):
-        super().__init__(flag, value, why)
-        self.needs = needs
-
-
-# ---- memory, measured ----------------------------------------------------------------------
-
-
-def _storage_key(t: torch.Tensor) -> tuple[str, int]:
-    st = t.untyped_storage()
-    return str(st.device), st.data_ptr()
-
-
-def storage_bytes(tensors) -> int:
-    """Bytes of the unique storages behind `tensors` (views and tied weights counted once)."""
-    sizes = {}
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            sizes[_storage_key(t)] = t.untyped_storage().nbytes()
-    return sum(sizes.values())
-
-
-def optimizer_tensors(optimizer: torch.optim.Optimizer):
-    """Every tensor the optimizer keeps as state."""
-    for state in optimizer.state.values():
-        yield from (v for v in state.values() if isinstance(v, torch.Tensor))
-
-
-class SavedTensorCounter:
-    """Counts the bytes autograd saves for backward: unique storages, parameters excluded.
-
-    `with counter.hooks(): loss = ...` counts what the forward inside saves. `watch(module)`
-    counts what `module`'s own forward saves even under activation checkpointing, whose
-    hooks would otherwise take those tensors first (the innermost saved-tensor hooks win):
-    that module then keeps its activations, as one block does while backward recomputes it.
-    """
-
-    def __init__(self, exclude: set[tuple[str, int]]):
-        self.exclude = exclude
-        self.sizes: dict[tuple[str, int], int] = {}
-        self._open: list = []
-
-    @property
-    def total(self) -> int:
-        return sum(self.sizes.values())
-
-    def _pack(self, x: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(x)
-        if key not in self.exclude:
-            self.sizes[key] = x.untyped_storage().nbytes()
-        return x
-
-    def hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
-
-    def _enter(self, *_):
-        ctx = self.hooks()
-        ctx.__enter__()
-        self._open.append(ctx)
-
-    def _exit(self, *_):
-        if self._open:
-            self._open.pop().__exit__(None, None, None)
-
-    def watch(self, module: torch.nn.Module) -> list:
-        """Count inside `module`'s forward too; returns hook handles to `.remove()`.
-
-        The hooks go on its children: a block may checkpoint inside its own forward (as
-        Hugging Face layers do), and only what runs inside the checkpoint is innermost."""
-        handles = []
-        for child in list(module.children()) or [module]:
-            handles.append(child.register_forward_pre_hook(self._enter))
-            handles.append(child.register_forward_hook(self._exit))
-        return handles
-
-    def close(self) -> None:
-        """Leave any hooks a forward that raised left open."""
-        while self._open:
-            self._exit()
-
-
-def _unpack(x: torch.Tensor) -> torch.Tensor:
-    return x
-
-
-def first_block(model: torch.nn.Module) -> torch.nn.Module | None:
-    """The first transformer block: element 0 of the longest ModuleList (None if none)."""
-    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
-    return max(lists, key=len)[0] if lists else None
-
-
-def set_checkpointing(model: torch.nn.Module, enabled: bool) -> bool:
-    """Turn activation checkpointing on or off; False when the model cannot do it."""
-    inner = getattr(model, "module", model)  # DDP
-    if hasattr(inner, "set_activation_checkpointing"):  # the built-in GPT
-        inner.set_activation_checkpointing(enabled)
-        return True
-    for on, off, kwargs in (  # Hugging Face: the newer names first
-        ("activation_checkpointing_enable", "activation_checkpointing_disable", "activation"),
-        ("gradient_checkpointing_enable", "gradient_checkpointing_disable", "gradient"),
-    ):
-        if hasattr(inner, on):
-            if enabled:
-                options = {f"{kwargs}_checkpointing_kwargs": {"use_reentrant": False}}
-                getattr(inner, on)(**options)
-            else:
-                getattr(inner, off)()
-            return True
-    return False
-
-
-def checkpointing_enabled(model: torch.nn.Module) -> bool:
-    inner = getattr(model, "module", model)
-    if hasattr(inner, "activation_checkpointing"):
-        return bool(inner.activation_checkpointing)
-    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
-        if hasattr(type(inner), name):
-            return bool(getattr(inner, name))
-    return False
-
-
 def _snapshot(model: torch.nn.Module) -> dict:
     return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
 
 
 def _default_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    return adamw(model, lr=1e-5)
 
 
 # ---- one probe -------------------------------------------------------------------------
@@ -334,7 +86,7 @@ class _Prober:
             raise ValueError("find_micro_batch: the model has no parameters that require grad")
         device = self.device = self.params[0].device
         self.counted = device.type in ("cpu", "mps")  # no allocator peak to read there
-        self.exclude = {_storage_key(t) for t in (*model.parameters(), *model.buffers())}
+        self.exclude = {storage_key(t) for t in (*model.parameters(), *model.buffers())}
         self.block = first_block(model)
         self._grads: dict[tuple[str, int], int] = {}
         # Before the Accumulator's own hooks, which free 16-bit gradients into fp32 buffers.
@@ -344,7 +96,7 @@ class _Prober:
 
     def _record(self, p: torch.Tensor) -> None:
         if p.grad is not None:
-            self._grads[_storage_key(p.grad)] = p.grad.untyped_storage().nbytes()
+            self._grads[storage_key(p.grad)] = p.grad.untyped_storage().nbytes()
 
     def close(self) -> None:
         """Remove the hooks and free the probe's gradients and optimizer state."""
@@ -420,13 +172,13 @@ class _Prober:
         use, failed = None, False
         try:
             use = self.measure(micro_batch)
-        except out_of_memory_errors():
+        except devices.out_of_memory_errors():
             failed = True  # recover outside the handler: its traceback holds the step's tensors
         if failed:
             use = None
             self.recover()
         over = use is not None and self.budget is not None and use.peak > self.budget
-        verdict = sync.max_over_ranks(2 if failed else int(over))
+        verdict = collectives.max_over_ranks(2 if failed else int(over))
         why = {0: "", 1: "over budget", 2: "out of memory"}[verdict]
         return Candidate(micro_batch, checkpointing, verdict == 0, why, use)
 
@@ -437,13 +189,13 @@ class _Prober:
         try:
             first = self.step(cand.micro_batch)
             n = min(MAX_TIMED_STEPS, max(MIN_TIMED_STEPS, math.ceil(TIMED_SECONDS / first)))
-            n = sync.max_over_ranks(n)  # ranks step together under DDP
+            n = collectives.max_over_ranks(n)  # ranks step together under DDP
             times = [self.step(cand.micro_batch) for _ in range(n)]
-        except out_of_memory_errors():
+        except devices.out_of_memory_errors():
             failed = True
         if failed:
             self.recover()
-        if sync.max_over_ranks(int(failed)):
+        if collectives.max_over_ranks(int(failed)):
             cand.fits, cand.why = False, "out of memory"
             return
         # Other work on the machine only ever adds time: the fastest step is the measure.
@@ -475,8 +227,8 @@ def _nothing_fits(candidates: list[Candidate], budget: int | None, seq_len: int,
 
 def _agree_size(micro_batch: int, checkpointing: bool) -> tuple[int, bool]:
     """One size on every rank: the smallest micro-batch, checkpointing if any rank has it."""
-    micro = -sync.max_over_ranks(-micro_batch)
-    return micro, bool(sync.max_over_ranks(int(checkpointing)))
+    micro = -collectives.max_over_ranks(-micro_batch)
+    return micro, bool(collectives.max_over_ranks(int(checkpointing)))
 
 
 def _agreed(chosen: Candidate, candidates: list[Candidate]) -> Candidate:
@@ -550,7 +302,7 @@ def find_micro_batch(
 
     def stop() -> bool:
         late = deadline is not None and time.perf_counter() > deadline
-        return bool(sync.max_over_ranks(int(late)))
+        return bool(collectives.max_over_ranks(int(late)))
 
     prober = _Prober(
         model, make_batch, loss_fn, precision, make_optimizer or _default_optimizer,

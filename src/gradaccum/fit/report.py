@@ -13,7 +13,7 @@ from ..plan.sizes import fmt_bytes, fmt_int
 from .search import EXACT, MAX_NOISE
 
 if TYPE_CHECKING:
-    from .probe import FitResult
+    from .result import FitResult
 
 
 def render_table(result: FitResult) -> str:
@@ -45,6 +45,13 @@ def render_table(result: FitResult) -> str:
     if result.budget_bytes is not None:
         source = result.memory.source if result.memory else "measured"
         lines.append(f"memory budget {fmt_bytes(result.budget_bytes)} ({source})")
+    if result.lora is not None:
+        lora = result.lora
+        lines.append(
+            f"LoRA rank {lora['rank']} on {', '.join(lora['targets'])}: {lora['trainable']:,} "
+            f"trainable of {lora['total']:,} parameters, the base frozen (gradients and "
+            "optimizer state measured for the adapters only)"
+        )
     ckpt = "on" if result.checkpointing else "off"
     lines.append(
         f"chosen: micro-batch {result.micro_batch} ({fmt_int(result.micro_batch * result.seq_len)}"

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from ..plan import accum_steps_for
 
 if TYPE_CHECKING:
-    from .probe import Candidate
+    from .result import Candidate
 
 NOISE_FLOOR = 0.03
 """Relative tokens/s difference under which two candidates count as equally fast."""

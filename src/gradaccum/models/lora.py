@@ -279,6 +279,21 @@ def _adapter_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return found
 
 
+def is_adapter_key(name: str) -> bool:
+    """Whether a model.state_dict() name is an adapter tensor's (`...c_attn.lora_A.default.
+    weight`) rather than the base's (`...c_attn.base_layer.weight`)."""
+    from peft.tuners.lora import LoraLayer
+
+    parts = name.split(".")
+    pairs = zip(parts, parts[1:], strict=False)
+    return any(a in LoraLayer.adapter_layer_names and b == ADAPTER for a, b in pairs)
+
+
+def base_key(name: str) -> str:
+    """The name a base tensor had before `apply_lora` moved it under `base_layer`."""
+    return name.replace(".base_layer.", ".")
+
+
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The parameters that train (requires_grad), in model order: what the optimizer gets, so
     its state holds the adapters only."""

@@ -10,11 +10,10 @@ from contextlib import nullcontext
 
 import torch
 
+from ..utils.choices import DEVICES
 from ..utils.errors import BadInput
 
 _KINDS = ("cuda", "npu", "xpu", "mps", "cpu")
-CHOICES = "cpu, cuda, cuda:1, npu, npu:1, xpu, mps or auto"
-"""What --device takes, in the words every command's message uses."""
 
 
 def _npu_installed() -> bool:
@@ -80,15 +79,15 @@ def check_device(text, flag: str = "--device") -> None:
     or machine lacks, or an index past the last device. The one check every command with
     --device runs before it touches the device."""
     if not isinstance(text, str) or not text.strip():
-        raise BadInput(flag, repr(text), f"expected a device name: {CHOICES}")
+        raise BadInput(flag, repr(text), f"expected a device name: {DEVICES}")
     if text == "auto":
         return
     kind, colon, index = text.partition(":")
     if kind == "meta":
         why = "meta tensors hold no data, nothing can train on them"
-        raise BadInput(flag, text, f"{why}; choose {CHOICES}")
+        raise BadInput(flag, text, f"{why}; choose {DEVICES}")
     if kind not in _KINDS:
-        raise BadInput(flag, text, f"unknown device; choose {CHOICES}")
+        raise BadInput(flag, text, f"unknown device; choose {DEVICES}")
     if colon and not index.isdigit():
         why = f"the index after ':' must be a whole number ({kind}:0, {kind}:1)"
         raise BadInput(flag, text, why)
@@ -152,13 +151,6 @@ def autocast(device: torch.device, dtype: torch.dtype | None):
     if dtype is None:
         return nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)
-
-
-def supports_dtype(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the device can hold and compute in `dtype` (bf16 on old GPUs is the usual no)."""
-    if dtype == torch.bfloat16 and device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    return True
 
 
 def reset_peak_memory(device: torch.device) -> None:

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..utils.errors import first_line
-from . import devices, sync
+from . import collectives, devices
 
 # Backends that run only on their own kind of device (gloo runs on any).
 _BACKEND_DEVICE = {"nccl": "cuda", "hccl": "npu", "xccl": "xpu"}
@@ -174,6 +174,6 @@ def aligned_windows(iterable: Iterable, accum_steps: int, group=None) -> Iterato
     batches = iter(iterable)
     while True:
         window = list(islice(batches, accum_steps))
-        if sync.max_over_ranks(len(window), group) == 0:
+        if collectives.max_over_ranks(len(window), group) == 0:
             return
         yield window

@@ -1,23 +1,22 @@
 """The planner: batch arithmetic, memory, communication and cost of a run. Pure arithmetic,
 no torch: `import gradaccum.plan` leaves torch unimported.
 
-- `batch`: global batch = micro-batch x k x world, time, FLOPs, LR scaling (`make_plan`);
-- `inputs`: what a plan is asked (`PlanInputs`), checked;
+- `make`: the plan of a run (`make_plan`), from `batch` (global batch = micro-batch x k x
+  world, the micro-batch that fits) and `costs` (memory, time, FLOPs, LR scaling);
+- `inputs`: what a plan is asked (`PlanInputs`), checked; `result`: the `Plan` it gives;
 - `memory`: bytes per device, term by term; `communication`: gradient traffic per step;
-- `presets`: model shapes by name; `sizes`: 4M / 4Mi / 262k / 80GB / 900ms parsing;
+- `batch_schedule`, `schedule_plan`: a batch that grows with tokens seen, phase by phase;
+- `presets`: model shapes by name (`MODEL_SHAPES`); `sizes`: 4M / 4Mi / 262k / 80GB / 900ms
+  parsing and formatting;
 - `table`: the plan as a table for people.
 """
 
 from ..utils.errors import BadInput
-from .batch import (
-    LR_RULES,
-    MemoryReport,
-    Plan,
-    PlanInputs,
-    accum_steps_for,
-    make_plan,
-    render_table,
-)
+from .batch import accum_steps_for
+from .inputs import LR_RULES, PlanInputs
+from .make import make_plan
+from .result import MemoryReport, Plan
+from .table import render_table
 
 PlanError = BadInput
 """The planner's name for the one bad-input type (gradaccum.utils.errors.BadInput)."""

@@ -8,10 +8,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..utils.choices import PRECISIONS
 from ..utils.errors import BadInput, flag_name
 from .batch_schedule import LR_RULES, BatchSchedule, parse_batch_schedule
-from .memory import CHECKPOINTING, OPTIMIZERS, PRECISIONS
+from .memory import CHECKPOINTING, OPTIMIZERS
 from .presets import preset
+from .quantized import BASE_BITS
 from .sizes import fmt_count_exact
 
 _COUNTS = (
@@ -71,13 +73,13 @@ class PlanInputs:
     heads: int | None = None
     vocab: int | None = None
     model: str | None = None
-    """A preset name (see gradaccum.plan.presets.PRESETS)."""
+    """A model shape by name (see gradaccum.plan.presets.MODEL_SHAPES)."""
     peak_tflops: float | None = None
     """Peak dense TFLOP/s of one device at the training precision."""
     mfu: float | None = None
     """Model FLOPs utilisation, a fraction in (0, 1]."""
     precision: str | None = None
-    """fp32 | bf16 | fp16; bf16 when not given."""
+    """fp32 | bf16 | fp16; bf16 (memory.DEFAULT_PRECISION) when not given."""
     optimizer: str | None = None
     """adamw | sgd; adamw when not given."""
     zero: int | None = None
@@ -96,6 +98,10 @@ class PlanInputs:
     lora_rank: int | None = None
     """LoRA rank on every linear layer of every block: the adapters, counted from the model's
     shape, are the trainable parameters."""
+    base_bits: int | None = None
+    """Bits of the frozen base's stored weights, 4, 8 or 16 (`gradaccum.plan.quantized`);
+    needs --lora-rank or --trainable-params, and 4 or 8 a model shape. None: the parameter
+    dtype (the same as 16 under bf16/fp16)."""
     base_lr: float | None = None
     """Learning rate tuned at --base-batch-tokens."""
     base_batch_tokens: int | None = None
@@ -132,10 +138,35 @@ class PlanInputs:
             value = getattr(self, name)
             if value is not None and value not in choices:
                 raise BadInput(f"{flag_name(name)} {value}: expected one of {choices}")
+        self._check_base_bits()
         self._check_conflicts()
         if self.batch_schedule is not None:
             self._check_schedule()
         self._check_companions()
+
+    def _check_base_bits(self) -> None:
+        """--base-bits: one of BASE_BITS, for a frozen base only; 4 and 8 quantise the blocks'
+        linear layers, which the model's shape gives."""
+        bits = self.base_bits
+        if bits is None:
+            return
+        if isinstance(bits, bool) or bits not in BASE_BITS:
+            shown = ", ".join(map(str, BASE_BITS))
+            raise BadInput("--base-bits", show_value(bits), f"expected one of {shown}")
+        if self.lora_rank is None and self.trainable_params is None:
+            raise BadInput(
+                "--base-bits",
+                bits,
+                "only a frozen base is stored in fewer bits; give --lora-rank or "
+                "--trainable-params (the part that trains keeps --precision)",
+            )
+        if bits < 16 and self.model is None and self.layers is None:
+            raise BadInput(
+                "--base-bits",
+                bits,
+                "needs the model's shape (--model, or --layers ...): only the blocks' linear "
+                "layers are quantised",
+            )
 
     def _given(self, *names: str) -> list[str]:
         return [n for n in names if getattr(self, n) is not None]

@@ -27,15 +27,20 @@ term). Every activation term is proportional to b, so memory is affine in the mi
 
 Frozen weights (`trainable_params`, LoRA): gradients, the fp32 buffer, master weights and
 optimizer state count the trainable part only; parameters and activations the whole model.
+A frozen base stored in 4, 8 or 16 bits (`quantized_base`, --base-bits; `quantized`) changes
+the parameters term only.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..utils.choices import PRECISIONS
 from .presets import ModelShape
+from .quantized import QuantizedBase, block_linears
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+DEFAULT_PRECISION = "bf16"
+"""The precision a plan assumes when --precision is not given: mixed precision."""
 OPTIMIZERS = ("adamw", "sgd")
 CHECKPOINTING = ("none", "full")
 MLP_ACTIVATIONS = ("fused", "elementwise-gelu")
@@ -45,7 +50,7 @@ MLP_ACTIVATIONS = ("fused", "elementwise-gelu")
 class MemorySetup:
     """How a run holds its state on each device."""
 
-    precision: str = "bf16"
+    precision: str = DEFAULT_PRECISION
     """fp32, or bf16/fp16 mixed precision (16-bit parameters, fp32 master weights)."""
     optimizer: str = "adamw"
     """adamw (two fp32 moments) or sgd (one fp32 momentum buffer)."""
@@ -70,6 +75,9 @@ class MemorySetup:
     the paper's count). elementwise-gelu: GELU's tanh formula written as element-wise
     operations (Hugging Face GPT-2's `gelu_new`), keeping three more tensors of the MLP's
     width: tanh's output, 0.5 x and 1 + tanh (x itself is the GELU input already counted)."""
+    quantized_base: QuantizedBase | None = None
+    """The part of the frozen base stored in 4, 8 or 16 bits (--base-bits), with its bytes;
+    None: every parameter in the parameter dtype."""
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -145,20 +153,31 @@ def _shard(n_bytes: int, setup: MemorySetup, stage: int) -> int:
     return n_bytes
 
 
+def stored_param_bytes(params: int, setup: MemorySetup) -> int:
+    """Every parameter as stored, unsharded: 4P in fp32, 2P in bf16/fp16; with a quantised
+    frozen base, its bytes (`quantized.quantized_base`) plus the rest in the parameter dtype."""
+    q = setup.quantized_base
+    if q is None:
+        return setup.bytes_per_param * params
+    return q.bytes + setup.bytes_per_param * (params - q.params)
+
+
 def param_bytes(params: int, shape: ModelShape | None, setup: MemorySetup) -> int | None:
-    """Stored parameters: 4P in fp32, 2P in bf16/fp16.
+    """Stored parameters: 4P in fp32, 2P in bf16/fp16 (`stored_param_bytes`).
 
     ZeRO-3 shards them, but the unit that runs (a block, or the embedding, whichever is larger)
     is gathered whole: one unit whole plus the rest sharded, unit + (P - unit) / w. FSDP's
-    prefetch of the next unit, overlapping communication, comes on top of this.
+    prefetch of the next unit, overlapping communication, comes on top of this. A quantised
+    base is taken at its average bytes per parameter there.
     """
+    stored = stored_param_bytes(params, setup)
     if setup.zero < 3 or setup.world_size == 1:
-        return setup.bytes_per_param * params
+        return stored
     if shape is None:
         return None
     unit = max(shape.layer_params, shape.vocab * shape.hidden)
     rest = -(-max(0, params - unit) // setup.world_size)
-    return setup.bytes_per_param * (unit + rest)
+    return stored * (unit + rest) // params
 
 
 def grad_bytes(params: int, shape: ModelShape | None, setup: MemorySetup) -> int | None:
@@ -295,8 +314,5 @@ def lora_params(shape: ModelShape, rank: int) -> int:
     r x (inputs + outputs) each. Embeddings and the output head stay frozen."""
     if rank < 1:
         raise ValueError(f"rank {rank}: must be at least 1")
-    h, f = shape.hidden, shape.ffn_size
-    kv = shape.num_kv_heads * (h // shape.heads)
-    matrices = [(h, h), (h, kv), (h, kv), (h, h), (f, h)]
-    matrices += [(h, f)] * (2 if shape.gated_mlp else 1)
+    matrices = block_linears(shape)
     return shape.layers * rank * sum(n_in + n_out for n_in, n_out in matrices)

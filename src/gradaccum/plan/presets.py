@@ -91,7 +91,7 @@ class ModelShape:
         return max(self.vocab * h, h * self.ffn_size, qkv)
 
 
-PRESETS: dict[str, ModelShape] = {
+MODEL_SHAPES: dict[str, ModelShape] = {
     shape.name: shape
     for shape in (
         # Radford et al. 2019; the Hugging Face `gpt2` and `gpt2-medium` checkpoints.
@@ -134,9 +134,9 @@ PRESETS: dict[str, ModelShape] = {
 def preset(name: str) -> ModelShape:
     """The preset called `name` (case-insensitive); KeyError listing the known names otherwise."""
     key = name.strip().lower()
-    if key not in PRESETS:
-        raise KeyError(f"unknown model {name!r}; known: {', '.join(PRESETS)}")
-    return PRESETS[key]
+    if key not in MODEL_SHAPES:
+        raise KeyError(f"unknown model {name!r}; known: {', '.join(MODEL_SHAPES)}")
+    return MODEL_SHAPES[key]
 
 
 def custom(layers: int, hidden: int, heads: int, vocab: int) -> ModelShape:

@@ -156,11 +156,6 @@ def fmt_int(n: int) -> str:
     return f"{n:,}"
 
 
-def fmt_gb(n_bytes: float) -> str:
-    """Bytes as GB (1e9 bytes) with two decimals: '13.48'."""
-    return f"{n_bytes / 1e9:,.2f}"
-
-
 def fmt_bytes(n_bytes: float) -> str:
     """Bytes with a decimal unit: '512 B', '1.50 MB', '13.48 GB', '2.10 TB'."""
     for scale, unit in ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "kB")):

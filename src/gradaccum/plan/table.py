@@ -99,8 +99,17 @@ def _memory_rows(plan) -> list[tuple[str, str, str, str]]:
     setup = f"{plan.precision}, {plan.optimizer}, ZeRO-{plan.zero}"
     setup += ", checkpointing" if plan.checkpointing == "full" else ""
     setup += ", flash attention" if plan.flash_attention else ""
+    base = None
+    if m.frozen_base_gb is not None and plan.base_bits != 16:
+        ratio = m.frozen_base_gb / m.frozen_base_16bit_gb if m.frozen_base_16bit_gb else 0.0
+        base = (
+            f"memory: {plan.base_bits}-bit frozen base",
+            m.frozen_base_gb,
+            f"{ratio:.3f} x the {fmt_bytes(m.frozen_base_16bit_gb * 1e9)} of bf16",
+        )
     items = [
         ("memory: parameters", m.params_gb, setup),
+        *([base] if base else []),
         ("memory: gradients", m.grads_gb, "in flight" if plan.precision != "fp32" else ".grad"),
         ("memory: fp32 accum buffer", m.accum_buffer_gb, ""),
         ("memory: optimizer state", m.optimizer_gb, ""),
@@ -216,8 +225,9 @@ def _phase_table(plan) -> Table:
     return table
 
 
-def render(plan, width: int = 110) -> str:
-    """The table (and the phases of a batch schedule), then one line per warning and note."""
+def render_table(plan, width: int = 110) -> str:
+    """The plan as a table for people, units on every row (and the phases of a batch
+    schedule), then one line per warning and note."""
     table = Table(title="gradaccum plan", title_justify="left")
     table.add_column("quantity")
     table.add_column("value", justify="right")

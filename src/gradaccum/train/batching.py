@@ -19,18 +19,10 @@ from __future__ import annotations
 
 import math
 
-from ..plan.batch_schedule import BatchSchedule, k_for, lr_multiplier, parse_batch_schedule, phases
+from ..plan.batch_schedule import BatchSchedule, k_for, lr_multiplier, phases
 from ..utils.errors import BadInput
+from .config import AUTO, TrainConfig, read_schedule
 from .schedule import Schedule
-
-AUTO = "auto"
-
-DEFAULT_MIN_TOKENS_PER_STEP = 8192
-"""--min-tokens-per-step of `--batch-schedule auto` when not given."""
-DEFAULT_MAX_RATIO = 32
-"""--max-tokens-per-step of `auto` when not given: this many times the minimum."""
-DEFAULT_DOUBLE_EVERY = 50
-"""--batch-double-every of `auto` when not given: optimizer steps between two growths."""
 
 
 class Batching:
@@ -127,32 +119,23 @@ class Batching:
             self.k, self.last_growth = int(state["k"]), int(state["last_growth"])
 
 
-def read_schedule(text: str | None) -> BatchSchedule | str | None:
-    """--batch-schedule as given: None, AUTO, or the parsed schedule (BadInput if malformed)."""
-    if text is None:
-        return None
-    if text.strip().lower() == AUTO:
-        return AUTO
-    return parse_batch_schedule(text)
-
-
-def smallest_target(config) -> int:
-    """The smallest tokens per step a --batch-schedule run takes (for the micro-batch)."""
+def targets(config: TrainConfig) -> tuple[int | None, int | None, str]:
+    """(the first window's tokens per step, the smallest any window takes, the flag that
+    set them): a batch schedule's first and smallest targets (`auto`: --min-tokens-per-step),
+    else --tokens-per-step (`TrainConfig.target_tokens_per_step`: None when --accum-steps
+    alone sets the batch)."""
     schedule = read_schedule(config.batch_schedule)
     if schedule == AUTO:
-        return config.min_tokens_per_step or DEFAULT_MIN_TOKENS_PER_STEP
-    return schedule.smallest_target()
+        low = config.auto_batch[0]
+        return low, low, f"--min-tokens-per-step {low}"
+    if schedule is not None:
+        flag = f"--batch-schedule {config.batch_schedule}"
+        return int(schedule.target(0)), schedule.smallest_target(), flag
+    target = config.target_tokens_per_step
+    return target, target, f"--tokens-per-step {target}"
 
 
-def first_target(config) -> int:
-    """The tokens per step of a --batch-schedule run's first window."""
-    schedule = read_schedule(config.batch_schedule)
-    if schedule == AUTO:
-        return config.min_tokens_per_step or DEFAULT_MIN_TOKENS_PER_STEP
-    return int(schedule.target(0))
-
-
-def make_batching(config, micro_batch: int, world: int, k: int) -> Batching:
+def make_batching(config: TrainConfig, micro_batch: int, world: int, k: int) -> Batching:
     """The Batching of `config` for this layout; BadInput where `auto` cannot estimate."""
     schedule = read_schedule(config.batch_schedule)
     micro_tokens = micro_batch * config.seq_len
@@ -162,9 +145,8 @@ def make_batching(config, micro_batch: int, world: int, k: int) -> Batching:
         return Batching(
             micro_tokens=micro_tokens, world=world, k=k, schedule=schedule, lr_rule=config.lr_rule
         )
-    low = config.min_tokens_per_step or DEFAULT_MIN_TOKENS_PER_STEP
-    high = config.max_tokens_per_step or DEFAULT_MAX_RATIO * low
-    auto = (low, high, config.batch_double_every or DEFAULT_DOUBLE_EVERY)
+    auto = config.auto_batch
+    low = auto[0]
     batching = Batching(
         micro_tokens=micro_tokens, world=world, k=k, auto=auto, lr_rule=config.lr_rule
     )
@@ -178,10 +160,9 @@ def make_batching(config, micro_batch: int, world: int, k: int) -> Batching:
     return batching
 
 
-def token_schedule(config, total_tokens: int, first_tokens_per_step: int) -> Schedule:
-    """The LR schedule of a --batch-schedule run, over tokens seen (see the module doc)."""
-    if config.warmup_steps is not None:
-        warmup = config.warmup_steps * first_tokens_per_step
-    else:  # as a fixed batch's default: a tenth of the run, at most 100 first-phase steps
-        warmup = min(100 * first_tokens_per_step, total_tokens // 10)
+def token_schedule(config: TrainConfig, total_tokens: int, first_tokens_per_step: int) -> Schedule:
+    """The LR schedule of a --batch-schedule run, over tokens seen (see the module doc); its
+    warmup is --warmup-steps steps of the first window's batch, or as a fixed batch's
+    default, a tenth of the run at most (`TrainConfig.warmup`)."""
+    warmup = config.warmup(total_tokens, first_tokens_per_step)
     return Schedule(total_tokens, min(warmup, total_tokens), config.schedule)

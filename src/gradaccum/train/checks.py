@@ -1,5 +1,6 @@
-"""What the run's build step checks before it reads data or writes anything: the output
-folder, the paths, the device. Each failure is a BadInput naming the flag and the value."""
+"""What the run's build step checks before it reads data or writes anything (`prepare`): the
+output folder, the paths, the device, the run folder's lock. Each failure is a BadInput naming
+the flag and the value."""
 
 from __future__ import annotations
 
@@ -9,16 +10,44 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 try:
     import tomllib
 except ImportError:  # Python 3.10
     import tomli as tomllib
 
+from ..parallel import devices
+from ..utils.choices import check_builtin_model
 from ..utils.errors import BadInput
 from . import checkpoint
-from .config import FLAGS
+from .config import FLAGS, TrainConfig
 from .lock import LOCK_FILE, RunLock
+from .tensorboard import check_available
+
+
+def prepare(config: TrainConfig) -> TrainConfig:
+    """`config` with its default --out chosen and its paths absolute (a resume from another
+    folder finds them), after every check that needs no data: nothing read, nothing written."""
+    config = replace(
+        config,
+        out=config.out or default_out(),
+        **{
+            name: os.path.abspath(getattr(config, name))
+            for name in ("data", "model_config", "init_from")
+            if getattr(config, name) is not None and not getattr(config, name).startswith("hf:")
+        },
+    )
+    check_out_folder(config.out)
+    if not config.resume:  # a resume's model comes from its checkpoint, not from these paths
+        check_paths(config)
+    elif config.data is not None:
+        check_paths(replace(config, model_config=None, init_from=None, model=None))
+    check_device(config.device)
+    check_run_folder(config.out, config.resume)
+    if config.tensorboard:
+        check_available()
+    return config
 
 
 def default_out() -> str:
@@ -148,9 +177,8 @@ def _our_checkpoints(path: str) -> bool:
 
 
 def check_paths(config) -> None:
-    """The files and folders the flags name exist and are of the right kind."""
-    from ..models.gpt import PRESETS
-
+    """The files and folders the flags name exist and are of the right kind, and --model
+    names a built-in preset."""
     data = config.data
     if data is not None and not data.startswith("hf:"):
         if os.path.isdir(data):
@@ -161,18 +189,14 @@ def check_paths(config) -> None:
         raise BadInput("--model-config", config.model_config, "no such file")
     if config.init_from is not None and not os.path.isdir(config.init_from):
         raise BadInput("--init-from", config.init_from, "no such folder")
-    if config.model is not None and config.model not in PRESETS:
-        raise BadInput(
-            "--model", config.model, f"unknown preset; choose one of {', '.join(PRESETS)}"
-        )
+    if config.model is not None:
+        check_builtin_model(config.model, "--model")
 
 
 def check_device(device: str) -> None:
     """--device names a device this machine has (or is auto): `devices.check_device`, the
     check every command with --device shares."""
-    from ..parallel.devices import check_device as check
-
-    check(device)
+    devices.check_device(device)
 
 
 def check_run_folder(out: str, resume: bool) -> None:

@@ -12,91 +12,119 @@ flag and the value, which the command prints as one line with exit code 2.
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 
-from ..plan.batch_schedule import LR_RULES
-from ..plan.memory import PRECISIONS
-from ..plan.sizes import parse_count
+from ..plan.batch_schedule import LR_RULES, BatchSchedule, parse_batch_schedule
+from ..utils.choices import BUILTIN_MODELS, DEFAULT_MODEL, PRECISIONS, TASKS
 from ..utils.errors import BadInput, flag_name
+from .flag_values import EXCLUSIVE, Flag, merge_settings, read_value, to_toml
+from .flag_values import flag_field as _flag
 from .schedule import SCHEDULES
+from .tasks import DATA_FORMATS, DEFAULT_EXAMPLES_PER_STEP, TASK_DEFAULTS, check_task
 
+__all__ = [
+    "EXCLUSIVE",
+    "FLAGS",
+    "Flag",
+    "TrainConfig",
+    "merge_settings",
+    "read_schedule",
+    "to_toml",
+]
+
+# The defaults of the fields left None when not given (None there means "not given", which
+# the other fields' rules need: --accum-steps with no --tokens-per-step sets the batch, a
+# resume keeps what was not given). Each is stated here once; the properties and methods of
+# TrainConfig below turn a None into it.
 # The default run: sized so that `gradaccum train` ends within 3 minutes on 2 CPU cores.
 DEFAULT_TOKENS_PER_STEP = 8192
 """Tokens per optimizer step when neither --tokens-per-step nor --accum-steps is given."""
 DEFAULT_MAX_TOKENS = 1_572_864
 """Training tokens when neither --max-steps nor --max-tokens is given (192 steps of 8192)."""
-DEFAULT_PRESET = "tiny"
-"""Model when none of --model, --model-config, --init-from is given."""
+DEFAULT_MAX_WARMUP_STEPS = 100
+"""Without --warmup-steps: a tenth of the run, at most this many optimizer steps."""
+DEFAULT_MIN_TOKENS_PER_STEP = 8192
+"""--min-tokens-per-step of `--batch-schedule auto` when not given."""
+DEFAULT_MAX_RATIO = 32
+"""--max-tokens-per-step of `auto` when not given: this many times the minimum."""
+DEFAULT_DOUBLE_EVERY = 50
+"""--batch-double-every of `auto` when not given: optimizer steps between two growths."""
+DEFAULT_PRESET = DEFAULT_MODEL
+"""Model when none of --model, --model-config, --init-from is given (`utils.choices`)."""
 
-EXCLUSIVE = (("max_steps", "max_tokens"), ("model", "model_config", "init_from"))
-"""Fields of which a run takes at most one: where settings are layered (a TOML file under
-the command line, a checkpoint's settings under a resume's flags), the upper layer's choice
-replaces the lower layer's whole group."""
-
-
-@dataclass(frozen=True)
-class Flag:
-    """How a field is given on the command line and read."""
-
-    help: str
-    """The --help line."""
-    kind: str = "str"
-    """count (4M, 262k, 1e6), micro (a count or auto), float, choice, path, str or bool."""
-    metavar: str = "N"
-    least: float = 0
-    """Smallest allowed value of a count or a number (a float must exceed it if `above`)."""
-    above: bool = False
-    most: int | None = None
-    """Largest allowed count (exclusive)."""
-    choices: tuple = ()
-
-
-def _flag(default, help: str, kind: str = "count", **kw):
-    metavar = kw.pop("metavar", None) or {
-        "float": "X",
-        "micro": "N|auto",
-        "choice": "NAME",
-        "path": "PATH",
-        "str": "TEXT",
-    }.get(kind, "N")
-    return field(default=default, metadata={"flag": Flag(help, kind, metavar, **kw)})
+AUTO = "auto"
+"""--batch-schedule auto: k grown toward the measured critical batch."""
 
 
 @dataclass
 class TrainConfig:
+    task: str = _flag(
+        "pretrain",
+        "pretrain (a token stream) or sft (prompt/completion examples) (default pretrain)",
+        "choice",
+        choices=TASKS,
+    )
+    """pretrain: next-token loss on every token of a stream of --seq-len chunks. sft:
+    supervised fine-tuning on examples (prompt and completion, chat messages, Alpaca rows),
+    the loss over the completion tokens only (`gradaccum.train.sft`)."""
     tokens_per_step: int | None = _flag(
         None,
-        "tokens per optimizer step over all ranks, e.g. 8192, 262k, 4M (default 8192)",
+        "tokens per optimizer step over all ranks, e.g. 8192, 262k, 4M "
+        f"(default {DEFAULT_TOKENS_PER_STEP}); --task sft: counted target tokens, the step "
+        "filled with whole examples up to it",
         least=1,
     )
-    """Target tokens per optimizer step over all ranks (the recipe's batch size). None:
-    8192, unless --accum-steps fixes the batch as micro-batch x k x world size."""
+    """Target tokens per optimizer step over all ranks (the recipe's batch size). None (not
+    given): DEFAULT_TOKENS_PER_STEP, unless --accum-steps fixes the batch as micro-batch x k
+    x world size (`target_tokens_per_step`); on --resume, the checkpoint's. With --task sft:
+    a budget of counted (target) tokens, the window taking whole examples in data order while
+    their targets stay within it (exclusive with --examples-per-step)."""
+    examples_per_step: int | None = _flag(
+        None,
+        "--task sft: examples per optimizer step over all ranks "
+        f"(default {DEFAULT_EXAMPLES_PER_STEP})",
+        least=1,
+    )
+    """--task sft: the global batch in examples (per-device batch x accumulation x devices,
+    as HF/TRL count it). None (not given): DEFAULT_EXAMPLES_PER_STEP, unless
+    --tokens-per-step sets the step in counted tokens."""
     seq_len: int = _flag(128, "tokens per sequence (default 128)", least=1)
     """Tokens per training sequence (the model reads seq_len, predicts seq_len)."""
-    micro_batch: int | str = _flag(
-        "auto", "sequences per forward/backward per rank, or auto (default auto)", "micro", least=1
+    micro_batch: int | str | None = _flag(
+        None,
+        "sequences per forward/backward per rank, or auto (default auto; --task sft 16)",
+        "micro",
+        least=1,
     )
-    """Sequences per forward/backward on each rank, or "auto": measured (`gradaccum.fit`, a
+    """Sequences (SFT: examples) per forward/backward on each rank, or "auto". None (not
+    given): the task's default (TASK_DEFAULTS). "auto": measured (`gradaccum.fit`, a
     few seconds of probing; on CPU at most 2048 tokens per micro-batch), the size that fits and
     trains fastest with k from the tokens per step; with --accum-steps given, the largest
     power of two the memory estimate fits that gives the tokens per step."""
     accum_steps: int | None = _flag(
         None, "micro-batches per optimizer step (default: from --tokens-per-step)", least=1
     )
-    """Micro-batches per optimizer step (k). None: chosen from --tokens-per-step."""
+    """Micro-batches per optimizer step (k). None (not given): chosen from
+    --tokens-per-step."""
     max_steps: int | None = _flag(None, "optimizer steps to train", least=1)
-    """Optimizer steps to train for (exclusive with --max-tokens)."""
+    """Optimizer steps to train for (exclusive with --max-tokens). None (not given): the
+    run's length is in tokens (`total_tokens`)."""
     max_tokens: int | None = _flag(
-        None, "tokens to train on, e.g. 1.5M (default 1,572,864)", least=1
+        None, f"tokens to train on, e.g. 1.5M (default {DEFAULT_MAX_TOKENS:,})", least=1
     )
-    """Tokens to train on, rounded up to whole steps. With neither: 1,572,864 tokens."""
-    lr: float = _flag(3e-3, "peak learning rate (default 3e-3)", "float", above=True)
-    """Peak learning rate of AdamW."""
+    """Tokens to train on, rounded up to whole steps. None (not given): DEFAULT_MAX_TOKENS,
+    unless --max-steps is given (`total_tokens`)."""
+    lr: float | None = _flag(
+        None, "peak learning rate (default 3e-3; --task sft 2e-3)", "float", above=True
+    )
+    """Peak learning rate of AdamW. None (not given): the task's default (TASK_DEFAULTS)."""
     warmup_steps: int | None = _flag(
-        None, "linear warmup, in optimizer steps (default a tenth of the run, <= 100)"
+        None,
+        "linear warmup, in optimizer steps "
+        f"(default a tenth of the run, <= {DEFAULT_MAX_WARMUP_STEPS})",
     )
-    """Optimizer steps of linear warmup. None: a tenth of the run, at most 100."""
+    """Optimizer steps of linear warmup. None (not given): a tenth of the run, at most
+    DEFAULT_MAX_WARMUP_STEPS (`warmup`)."""
     schedule: str = _flag(
         "cosine",
         "cosine, linear or constant, in optimizer steps (default cosine)",
@@ -125,8 +153,8 @@ class TrainConfig:
     out: str | None = _flag(
         None, "output folder (default runs/<date>-<time>)", "path", metavar="DIR"
     )
-    """Folder of the run's outputs. None: runs/<date>-<time> under the current folder,
-    chosen when the run starts."""
+    """Folder of the run's outputs. None (not given): runs/<date>-<time> under the current
+    folder, chosen when the run starts (`checks.default_out`: it reads the clock)."""
     save_every: int = _flag(
         100, "checkpoint every N optimizer steps; 0: only at the end (default 100)"
     )
@@ -144,28 +172,60 @@ class TrainConfig:
     """On --resume, continue on other data than the run was trained on (refused otherwise)."""
     json: bool = _flag(False, "print the final summary as JSON on stdout", "bool")
     """Print the final summary as one JSON object on stdout (other text goes to stderr)."""
-    eval_every: int = _flag(
-        50, "held-out loss every N optimizer steps; 0: only at the end (default 50)"
+    eval_every: int | None = _flag(
+        None,
+        "held-out loss every N optimizer steps; 0: only at the end (default 50; --task sft 300)",
     )
-    """Held-out loss every this many optimizer steps; 0: only at the end."""
+    """Held-out loss (with --task sft on the built-in set also exact match) every this many
+    optimizer steps; 0: only at the end. None (not given): the task's default
+    (TASK_DEFAULTS)."""
     data: str | None = _flag(
         None, "PATH.txt, PATH.bin, PATH.npy or hf:NAME[:SPLIT] (default: built-in corpus)", "path"
     )
     """Training text or tokens: PATH.txt (bytes), PATH.bin or PATH.npy (token ids) or
-    hf:NAME[:SPLIT]. None: the built-in Markov corpus, whose entropy is the loss floor."""
-    model: str | None = _flag(
-        None, "preset: tiny, small, gpt2-124m (default tiny)", "str", metavar="PRESET"
+    hf:NAME[:SPLIT]. None: the built-in Markov corpus, whose entropy is the loss floor.
+    With --task sft: PATH.jsonl, PATH.json, PATH.parquet or hf:NAME[:SPLIT] rows; None: the
+    built-in instruction set (`gradaccum.data.sft_tasks`)."""
+    data_format: str = _flag(
+        "auto",
+        "--task sft: auto, prompt-completion, messages or alpaca (default auto: from the fields)",
+        "choice",
+        choices=DATA_FORMATS,
     )
-    """Model preset: tiny, small or gpt2-124m. None: tiny, unless --model-config or
-    --init-from is given."""
+    """--task sft: the rows' format (`gradaccum.data.sft_rows`); auto detects it from the
+    first row's fields."""
+    skip_bad_rows: bool = _flag(
+        False, "--task sft: skip and count bad rows instead of stopping at the first", "bool"
+    )
+    """--task sft: a bad row (malformed line, missing field, empty completion) is skipped and
+    counted, not a one-line error."""
+    drop_long: bool = _flag(
+        False, "--task sft: drop examples longer than --seq-len (default: cut them)", "bool"
+    )
+    """--task sft: drop examples longer than --seq-len tokens instead of cutting the end of
+    their completion."""
+    train_on_prompt: bool = _flag(
+        False, "--task sft: the loss over the prompt tokens too, not only the completion", "bool"
+    )
+    """--task sft: every token a target (the prompt too), not only the completion's."""
+    model: str | None = _flag(
+        None,
+        f"preset: {', '.join(BUILTIN_MODELS)} (default {DEFAULT_MODEL})",
+        "str",
+        metavar="PRESET",
+    )
+    """A built-in model preset (`utils.choices.BUILTIN_MODELS`). None (not given):
+    DEFAULT_MODEL, unless --model-config or --init-from is given (`preset`)."""
     model_config: str | None = _flag(
         None, "a Hugging Face config.json to build a causal LM from (random init)", "path"
     )
-    """A Hugging Face config.json to build a causal LM from (random init, no download)."""
+    """A Hugging Face config.json to build a causal LM from (random init, no download).
+    None: not given."""
     init_from: str | None = _flag(
         None, "a checkpoint folder (config.json + model.pt) to start from", "path", metavar="DIR"
     )
-    """A folder with config.json and model.pt (a checkpoint) to start from."""
+    """A folder with config.json and model.pt (a checkpoint) to start from. None: not
+    given."""
     device: str = _flag(
         "auto", "cpu, cuda, cuda:1, npu, mps, xpu or auto (default auto)", "str", metavar="DEVICE"
     )
@@ -193,7 +253,8 @@ class TrainConfig:
     changes at window boundaries, the micro-batch stays. `auto` (experimental) starts at
     --min-tokens-per-step and grows k toward the noise scale's critical batch, up to
     --max-tokens-per-step, at most doubling once per --batch-double-every steps. The LR
-    schedule then runs over tokens seen; the run's length is --max-tokens."""
+    schedule then runs over tokens seen; the run's length is --max-tokens. None (not
+    given): one batch throughout."""
     lr_rule: str = _flag(
         "none",
         "with --batch-schedule, scale the LR with the batch: none, linear or sqrt (default none)",
@@ -204,20 +265,28 @@ class TrainConfig:
     root for `sqrt`; --lr belongs to the reference batch: the schedule's last one (as `plan`
     counts it), auto's --max-tokens-per-step."""
     min_tokens_per_step: int | None = _flag(
-        None, "--batch-schedule auto: the batch it starts at (default 8192)", least=1
-    )
-    """`--batch-schedule auto`: tokens per step it starts at (default 8192)."""
-    max_tokens_per_step: int | None = _flag(
         None,
-        "--batch-schedule auto: the largest batch it grows to (default 32 x the minimum)",
+        f"--batch-schedule auto: the batch it starts at (default {DEFAULT_MIN_TOKENS_PER_STEP})",
         least=1,
     )
-    """`--batch-schedule auto`: tokens per step it never grows past (default 32 x minimum)."""
+    """`--batch-schedule auto`: tokens per step it starts at. None (not given, which only
+    `auto` allows): DEFAULT_MIN_TOKENS_PER_STEP (`auto_batch`)."""
+    max_tokens_per_step: int | None = _flag(
+        None,
+        "--batch-schedule auto: the largest batch it grows to "
+        f"(default {DEFAULT_MAX_RATIO} x the minimum)",
+        least=1,
+    )
+    """`--batch-schedule auto`: tokens per step it never grows past. None (not given):
+    DEFAULT_MAX_RATIO x the minimum (`auto_batch`)."""
     batch_double_every: int | None = _flag(
-        None, "--batch-schedule auto: at most one doubling of k per N steps (default 50)", least=1
+        None,
+        f"--batch-schedule auto: at most one doubling of k per N steps "
+        f"(default {DEFAULT_DOUBLE_EVERY})",
+        least=1,
     )
     """`--batch-schedule auto`: optimizer steps between two growths of k (each at most x2).
-    None: 50."""
+    None (not given): DEFAULT_DOUBLE_EVERY (`auto_batch`)."""
     dist_timeout: float = _flag(
         300.0,
         "seconds a rank waits for the others before failing, under torchrun (default 300)",
@@ -227,10 +296,65 @@ class TrainConfig:
     )
     """Seconds a collective may wait for the other ranks: a rank that died or hangs is
     reported within this time, not after torch's 10-minute default."""
+    # LoRA (the `lora` extra, on peft): adapters on a frozen base, `gradaccum.train.adapters`.
+    lora_rank: int | None = _flag(
+        None,
+        "train LoRA adapters of rank R on the frozen model (pip install 'gradaccum[lora]')",
+        least=1,
+        metavar="R",
+    )
+    """LoRA rank r: each adapted linear layer (out x in) gains r x (in + out) parameters, the
+    only ones that train. None (not given): every parameter trains."""
+    lora_alpha: float | None = _flag(
+        None,
+        "LoRA scale: the update is alpha / rank x B A (default 2 x rank)",
+        "float",
+        above=True,
+        metavar="A",
+    )
+    """The adapters' update is scaled by alpha / rank. None (not given): 2 x rank, a scale of
+    2 (`models.lora.LoraSpec`)."""
+    lora_dropout: float | None = _flag(
+        None, "dropout on the LoRA adapters' input, in [0, 1) (default 0)", "float", metavar="P"
+    )
+    """Dropout probability on the adapters' input. None (not given): 0, which keeps a run
+    exact and bit-for-bit reproducible."""
+    lora_targets: str | None = _flag(
+        None,
+        "modules to adapt, e.g. q_proj,v_proj (default: the attention and MLP projections)",
+        "str",
+        metavar="A,B",
+    )
+    """Comma-separated module names to adapt (a module matches when its name is the target
+    or ends in "." + target). None (not given): every linear layer but the output head
+    (`models.lora.default_targets`), printed at the start."""
+    merge_lora: bool = _flag(
+        False, "with --lora-rank: also write the merged model to --out/merged", "bool"
+    )
+    """With --lora-rank: besides the adapter folder, write the model with the adapters
+    folded into its weights (--out/merged)."""
+
+    def _check_lora(self) -> None:
+        """The --lora-* flags need --lora-rank; --lora-dropout is a probability below 1."""
+        if self.lora_rank is None:
+            for name in ("lora_alpha", "lora_dropout", "lora_targets", "merge_lora"):
+                value = getattr(self, name)
+                if value not in (None, False):
+                    shown = None if value is True else value  # a switch has no value to show
+                    shown = f"{shown:g}" if isinstance(shown, float) else shown
+                    raise BadInput(flag_name(name), shown, "needs --lora-rank")
+        if self.lora_dropout is not None and not self.lora_dropout < 1:
+            raise BadInput("--lora-dropout", f"{self.lora_dropout:g}", "must be in [0, 1)")
 
     def __post_init__(self):
         for f in fields(self):
-            setattr(self, f.name, _read(f, getattr(self, f.name)))
+            setattr(self, f.name, read_value(f, getattr(self, f.name)))
+        check_task(self)
+        for name, value in TASK_DEFAULTS[self.task].items():
+            if getattr(self, name) is None and not (name == "max_steps" and self.max_tokens):
+                setattr(self, name, value)
+        if self.task == "sft" and self.examples_per_step is None and self.tokens_per_step is None:
+            self.examples_per_step = DEFAULT_EXAMPLES_PER_STEP
         self._check_together()
 
     def _check_together(self) -> None:
@@ -251,6 +375,7 @@ class TrainConfig:
                 f"longer than the run (--max-steps {self.max_steps})",
             )
         self._check_batch_schedule()
+        self._check_lora()
         given = [n for n in EXCLUSIVE[1] if getattr(self, n) is not None]
         if len(given) > 1:
             raise BadInput(
@@ -261,8 +386,6 @@ class TrainConfig:
             )
 
     def _check_batch_schedule(self) -> None:
-        from .batching import AUTO, read_schedule
-
         schedule = read_schedule(self.batch_schedule)  # BadInput if malformed
         for name in ("tokens_per_step", "accum_steps", "max_steps"):
             if schedule is not None and getattr(self, name) is not None:
@@ -285,10 +408,43 @@ class TrainConfig:
 
     @property
     def preset(self) -> str | None:
-        """The preset to build: --model, or tiny when no other model source is given."""
+        """The preset to build: --model, or DEFAULT_MODEL when no other model source is
+        given."""
         if self.model_config is None and self.init_from is None:
-            return self.model or DEFAULT_PRESET
+            return self.model or DEFAULT_MODEL
         return self.model
+
+    @property
+    def target_tokens_per_step(self) -> int | None:
+        """Tokens per optimizer step of a run without --batch-schedule: --tokens-per-step,
+        or DEFAULT_TOKENS_PER_STEP; None when --accum-steps alone sets the batch."""
+        if self.tokens_per_step is None and self.accum_steps is None:
+            return DEFAULT_TOKENS_PER_STEP
+        return self.tokens_per_step
+
+    @property
+    def total_tokens(self) -> int | None:
+        """Tokens the run trains on: --max-tokens, or DEFAULT_MAX_TOKENS; None when
+        --max-steps sets the length instead."""
+        if self.max_steps is not None:
+            return None
+        return self.max_tokens or DEFAULT_MAX_TOKENS
+
+    def warmup(self, run_length: int, step_size: int = 1) -> int:
+        """Warmup in the units `run_length` counts (steps, or tokens with `step_size` tokens
+        per first-phase step): --warmup-steps x step_size, or a tenth of the run, at most
+        DEFAULT_MAX_WARMUP_STEPS steps."""
+        if self.warmup_steps is not None:
+            return self.warmup_steps * step_size
+        return min(DEFAULT_MAX_WARMUP_STEPS * step_size, run_length // 10)
+
+    @property
+    def auto_batch(self) -> tuple[int, int, int]:
+        """`--batch-schedule auto`'s (tokens per step it starts at, tokens per step it grows
+        to at most, optimizer steps between two growths), the defaults filled in."""
+        low = self.min_tokens_per_step or DEFAULT_MIN_TOKENS_PER_STEP
+        high = self.max_tokens_per_step or DEFAULT_MAX_RATIO * low
+        return low, high, self.batch_double_every or DEFAULT_DOUBLE_EVERY
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -304,87 +460,10 @@ FLAGS = {f.name: f.metadata["flag"] for f in fields(TrainConfig)}
 """Field name -> its Flag, in the order of the fields."""
 
 
-def _read(f, value):
-    """The typed value of field `f` (see Flag.kind), or BadInput naming its flag."""
-    spec, flag = f.metadata["flag"], flag_name(f.name)
-    if value is None and f.default is None:
+def read_schedule(text: str | None) -> BatchSchedule | str | None:
+    """--batch-schedule as given: None, AUTO, or the parsed schedule (BadInput if malformed)."""
+    if text is None:
         return None
-    if spec.kind == "bool":
-        if not isinstance(value, bool):
-            raise BadInput(flag, value, "must be true or false")
-        return value
-    if spec.kind in ("str", "path", "choice"):
-        if not isinstance(value, str) or not value.strip():
-            raise BadInput(
-                flag,
-                repr(value),
-                "expected a path" if spec.kind == "path" else "expected a non-empty string",
-            )
-        if spec.choices and value not in spec.choices:
-            raise BadInput(flag, value, f"choose one of {', '.join(spec.choices)}")
-        return value
-    if spec.kind == "float":
-        return _number(flag, value, spec)
-    if spec.kind == "micro" and isinstance(value, str) and value.strip().lower() == "auto":
-        return "auto"
-    count = _whole(flag, value)
-    if count < spec.least:
-        more = " or auto" if spec.kind == "micro" else ""
-        raise BadInput(flag, count, f"must be a whole number >= {spec.least}{more}")
-    if spec.most is not None and count >= spec.most:
-        raise BadInput(
-            flag,
-            count,
-            "must be below 2**63" if spec.most == 2**63 else f"must be below {spec.most}",
-        )
-    return count
-
-
-def _whole(flag: str, value) -> int:
-    if isinstance(value, bool) or value is None:
-        raise BadInput(flag, value, "expected a whole number")
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, int):
-        return value
-    return parse_count(str(value), flag, allow_zero=True)
-
-
-def _number(flag: str, value, spec: Flag) -> float:
-    try:
-        if isinstance(value, bool):
-            raise ValueError
-        number = float(value)
-    except (TypeError, ValueError):
-        raise BadInput(flag, value, "not a number") from None
-    if not math.isfinite(number) or number < spec.least or (spec.above and number == spec.least):
-        why = "must be a positive number" if spec.above else f"must be a number >= {spec.least:g}"
-        raise BadInput(flag, f"{number:g}" if math.isfinite(number) else number, why)
-    return number
-
-
-def merge_settings(lower: dict, upper: dict) -> dict:
-    """`upper` over `lower`, where a field `upper` gives also replaces the fields it excludes
-    (EXCLUSIVE): `--max-tokens` on the command line overrides `max_steps` in a TOML file."""
-    lower = dict(lower)
-    for group in EXCLUSIVE:
-        if any(upper.get(name) is not None for name in group):
-            for name in group:
-                lower.pop(name, None)
-    return {**lower, **upper}
-
-
-def to_toml(values: dict) -> str:
-    """Flat key = value TOML of the given fields (None values are left out)."""
-    lines = []
-    for key, value in values.items():
-        if value is None:
-            continue
-        if isinstance(value, bool):
-            text = "true" if value else "false"
-        elif isinstance(value, (int, float)):
-            text = repr(value)
-        else:
-            text = '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
-        lines.append(f"{key} = {text}")
-    return "\n".join(lines) + "\n"
+    if text.strip().lower() == AUTO:
+        return AUTO
+    return parse_batch_schedule(text)

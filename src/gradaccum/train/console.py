@@ -1,4 +1,5 @@
-"""What a person sees while a run trains, and how they stop it.
+"""What a person sees while a run trains, the clock its times come from, and how they stop
+it.
 
 Text goes to stdout, or to stderr under --json so that stdout carries only the summary
 object. The live bar (tqdm) goes to stderr when stderr is a terminal; otherwise (a log file,
@@ -11,6 +12,7 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+import time
 
 
 class Console:
@@ -47,6 +49,7 @@ class Progress:
         self.total = total_steps
         self.accum_steps = accum_steps
         self.bar = None
+        self.window = ""  # what the last step held, where it varies
         self._last_line_s: float | None = None  # elapsed seconds at the last line; None: none
         self._tokens = self._seconds = 0.0  # since the last line
         self._ema: tuple[float, float] | None = None  # (tokens, seconds) per step
@@ -76,11 +79,14 @@ class Progress:
         lr: float,
         elapsed_s: float,
         steps_done_here: int,
+        window: str = "",
     ) -> None:
         """After optimizer step `step`, which trained on `tokens` in `seconds`; `elapsed_s`
-        since training started in this process, `steps_done_here` steps of it."""
+        since training started in this process, `steps_done_here` steps of it. `window`:
+        what the step held, where it varies ("32 ex, 187 tok" for --task sft)."""
         if not self.console.enabled:
             return
+        self.window = f"  {window}" if window else ""
         if self.bar is not None:
             self._bar(step, loss, tokens, seconds, lr)
             return
@@ -94,7 +100,7 @@ class Progress:
         eta = elapsed_s / max(steps_done_here, 1) * (self.total - step)
         self.console.say(
             f"step {step}/{self.total}  loss {loss:.4f}  {rate:,.0f} tok/s  lr {lr:.2e}  "
-            f"k {self.accum_steps}  {elapsed_s:.0f} s, eta {eta:.0f} s"
+            f"k {self.accum_steps}{self.window}  {elapsed_s:.0f} s, eta {eta:.0f} s"
         )
         self._last_line_s, self._tokens, self._seconds = elapsed_s, 0.0, 0.0
 
@@ -104,7 +110,7 @@ class Progress:
         self._ema = (a * tokens + (1 - a) * old[0], a * seconds + (1 - a) * old[1])
         rate = self._ema[0] / self._ema[1] if self._ema[1] > 0 else 0.0
         self.bar.set_postfix_str(
-            f"loss {loss:.4f}  {rate:,.0f} tok/s  lr {lr:.2e}  k {self.accum_steps}",
+            f"loss {loss:.4f}  {rate:,.0f} tok/s  lr {lr:.2e}  k {self.accum_steps}{self.window}",
             refresh=False,
         )
         self.bar.update(step - self.bar.n)
@@ -121,6 +127,26 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+class Clock:
+    """The run's times: this process's (`wall_s`), its loop's here (the ETA) and over every
+    resume (`elapsed_s`, which the checkpoint keeps)."""
+
+    def __init__(self):
+        self.started = time.perf_counter()
+        self.here = self.loop_start = self.started
+        self.first_step = 0
+
+    def start_loop(self, elapsed_before: float, step: int) -> None:
+        """The loop begins at optimizer step `step`, `elapsed_before` seconds into the run."""
+        self.here = time.perf_counter()
+        self.loop_start = self.here - elapsed_before
+        self.first_step = step
+
+    def elapsed(self) -> float:
+        """Seconds since the run's loop first started, over every resume."""
+        return time.perf_counter() - self.loop_start
 
 
 class StopSignals:

@@ -13,9 +13,6 @@ import os
 
 from ..utils.atomic import append_whole, write_atomic, write_text_atomic, writing
 
-# Fields that measure wall-clock time: they can never match between two runs.
-TIMING_FIELDS = ("tokens_per_s", "elapsed_s")
-
 
 def _clean(value):
     # JSON has no NaN or inf: a skipped window's grad_norm is written as null.
@@ -68,6 +65,39 @@ class MetricsWriter:
         self.close()
 
 
+def window_record(result, seconds: float, batch, elapsed_s: float) -> dict:
+    """A window's metrics.jsonl line: `result` (the engine's StepResult) of a window that
+    took `seconds`, with the batch it trained at (a BatchState: k and micro-batch, tokens seen
+    after it) and the run's `elapsed_s`."""
+    return {
+        "step": result.step,
+        "loss": result.loss,
+        "tokens": batch.tokens,
+        "tokens_per_s": result.tokens / seconds,
+        "lr": result.lr,
+        "grad_norm": result.grad_norm,
+        "accum_steps": batch.k,
+        "micro_batch": batch.micro_batch,
+        "tokens_per_step": result.tokens,
+        "skipped": result.skipped,
+        "elapsed_s": elapsed_s,
+        **noise_fields(result),
+    }
+
+
+def noise_fields(result) -> dict:
+    """noise_scale_tokens and noise_scale_sequences of a window (`result`, a StepResult),
+    where they are finite."""
+    noise = result.noise
+    if noise is None:
+        return {}
+    fields = {
+        "noise_scale_tokens": noise.b_simple_tokens,
+        "noise_scale_sequences": noise.b_simple_sequences,
+    }
+    return {k: v for k, v in fields.items() if v is not None and math.isfinite(v)}
+
+
 def read_metrics_text(path: str) -> list[str]:
     """The complete lines of a metrics file (a line cut short by a kill is dropped)."""
     with open(path, encoding="utf-8") as f:
@@ -81,16 +111,12 @@ def read_metrics(path: str) -> list[dict]:
     return [json.loads(line) for line in read_metrics_text(path)]
 
 
-def without_timing(records: list[dict]) -> list[dict]:
-    """The records with the wall-clock fields dropped: what two equal runs share exactly."""
-    return [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in records]
-
-
 def plot_loss(
     records: list[dict], path: str, entropy_floor: float | None = None, title: str = ""
 ) -> bool:
     """Write loss against tokens (and eval loss, and the floor) to `path`, atomically; where
-    the records carry noise_scale_tokens, the noise scale in a second panel below.
+    the records carry noise_scale_tokens, the noise scale in a second panel below; where eval
+    records carry exact_match (--task sft on the built-in set), that in a second panel.
 
     Returns False, writing nothing, when matplotlib is not installed (an optional extra);
     raises DiskFull naming `path` when the disk has no room (the previous plot is kept).
@@ -105,11 +131,12 @@ def plot_loss(
     train = [r for r in records if r.get("loss") is not None and "eval_loss" not in r]
     evals = [r for r in records if r.get("eval_loss") is not None]
     noise = [r for r in train if r.get("noise_scale_tokens") is not None]
-    if noise:
+    matches = [r for r in evals if r.get("exact_match") is not None]
+    if noise or matches:
         fig, (ax, lower) = plt.subplots(
             2, 1, figsize=(7, 6.4), dpi=120, sharex=True, height_ratios=(3, 2)
         )
-        _plot_noise(lower, noise)
+        _plot_noise(lower, noise) if noise else _plot_exact_match(lower, matches)
     else:
         fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
     ax.plot([r["tokens"] for r in train], [r["loss"] for r in train], lw=1.2, label="train loss")
@@ -126,7 +153,7 @@ def plot_loss(
         ax.axhline(
             entropy_floor, ls="--", color="k", lw=1, label=f"entropy floor {entropy_floor:.3f} nats"
         )
-    if not noise:
+    if not (noise or matches):
         ax.set_xlabel("tokens")
     ax.set_ylabel("loss (nats per token)")
     ax.set_title(title)
@@ -151,5 +178,23 @@ def _plot_noise(ax, records: list[dict]) -> None:
     )
     ax.set_xlabel("tokens")
     ax.set_ylabel("tokens per step")
+    ax.grid(alpha=0.3)
+    ax.legend()
+
+
+def _plot_exact_match(ax, records: list[dict]) -> None:
+    """Held-out exact match (share of prompts answered exactly) against tokens trained on."""
+    ax.plot(
+        [r["tokens"] for r in records],
+        [r["exact_match"] for r in records],
+        "o-",
+        ms=4,
+        lw=1.2,
+        color="tab:purple",
+        label="exact match (held out, greedy)",
+    )
+    ax.set_xlabel("tokens (counted: the loss's targets)")
+    ax.set_ylabel("exact match")
+    ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax.legend()

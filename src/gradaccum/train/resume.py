@@ -19,9 +19,10 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
+from ..utils.choices import DEFAULT_MODEL
 from ..utils.errors import BadInput, flag_name
-from . import checkpoint
-from .config import DEFAULT_PRESET, FLAGS, TrainConfig, merge_settings
+from . import checkpoint, micro_batch
+from .config import FLAGS, TrainConfig, merge_settings
 from .metrics import read_metrics_text
 from .schedule import Schedule
 
@@ -42,6 +43,11 @@ REFUSED = {
     "min_tokens_per_step": "a resume continues its batch schedule",
     "max_tokens_per_step": "a resume continues its batch schedule",
     "batch_double_every": "a resume continues its batch schedule",
+    "task": "a resume continues the run's task",
+    "examples_per_step": "the examples per step fix the data's windows; a resume keeps them",
+    "data_format": "the format fixes what the examples are; a resume keeps it",
+    "train_on_prompt": "what the loss counts stays as trained",
+    "drop_long": "which examples are trained on stays as trained",
 }
 """Fields a resume may not change, and why."""
 
@@ -123,7 +129,7 @@ def _model_as_trained(saved: dict) -> str:
         return f"the model of --model-config {saved['model_config']}"
     if saved.get("model") is not None:
         return f"--model {saved['model']}"
-    return f"the built-in default model (--model {DEFAULT_PRESET}), initialised at random"
+    return f"the built-in default model (--model {DEFAULT_MODEL}), initialised at random"
 
 
 def check_data(config: TrainConfig, ckpt, data_info) -> list[str]:
@@ -145,11 +151,12 @@ def check_data(config: TrainConfig, ckpt, data_info) -> list[str]:
 
 def batch_config(config: TrainConfig, ckpt, world_size: int) -> TrainConfig:
     """The config to plan the resumed run with: the checkpoint's tokens per step, its
-    micro-batch unless --micro-batch changed it, and k for this number of devices. With a
-    batch schedule, k follows the schedule for the micro-batch and devices of the resume."""
+    micro-batch unless --micro-batch changed it (`micro_batch.on_resume`), and k for this
+    number of devices. With a batch schedule, k follows the schedule for the micro-batch and
+    devices of the resume."""
     saved, plan = ckpt.trainer_state["config"], ckpt.trainer_state["plan"]
     if config.batch_schedule is not None:
-        given = config.micro_batch not in ("auto", saved.get("micro_batch"))
+        given = micro_batch.changed_on_resume(config, saved)
         return replace(config, micro_batch=config.micro_batch if given else plan["micro_batch"])
     seq = plan["seq_len"]
     tokens = plan.get("tokens_per_step") or (
@@ -170,40 +177,17 @@ def batch_config(config: TrainConfig, ckpt, world_size: int) -> TrainConfig:
             f"into whole {seq}-token sequences on {world_size} device(s); use a number of "
             f"devices that divides {tokens // seq} sequences",
         )
-    micro = _micro_batch(config, saved, plan, per_rank)
+    micro = micro_batch.on_resume(config, saved, plan, per_rank)
     return replace(config, tokens_per_step=None, micro_batch=micro, accum_steps=per_rank // micro)
 
 
-def _micro_batch(config: TrainConfig, saved: dict, plan: dict, per_rank: int) -> int:
-    k_given = config.accum_steps not in (None, saved.get("accum_steps"))
-    micro_given = config.micro_batch not in ("auto", saved.get("micro_batch"))
-    if k_given:
-        micro, rest = divmod(per_rank, config.accum_steps)
-        if rest or micro < 1 or (micro_given and micro != config.micro_batch):
-            raise BadInput(
-                "--accum-steps",
-                config.accum_steps,
-                f"{per_rank} sequences per device per step (the checkpoint's tokens per step) "
-                "are not a whole number of micro-batches"
-                + (f" of --micro-batch {config.micro_batch}" if micro_given else ""),
-            )
-        return micro
-    if micro_given:
-        if per_rank % config.micro_batch:
-            raise BadInput(
-                "--micro-batch",
-                config.micro_batch,
-                f"does not divide the {per_rank} sequences per device of a step",
-            )
-        return config.micro_batch
-    micro = min(plan["micro_batch"], per_rank)
-    while per_rank % micro:  # the largest micro-batch up to the trained one that divides
-        micro -= 1
-    return micro
+def batch_lines(ckpt, resolved) -> list[str]:
+    """A line saying how the batch layout changed, if it did."""
+    line = _batch_line(ckpt, resolved)
+    return [line] if line else []
 
 
-def batch_line(ckpt, resolved) -> str | None:
-    """One line saying how the batch layout changed, or None if it did not."""
+def _batch_line(ckpt, resolved) -> str | None:
     plan = ckpt.trainer_state["plan"]
     if ckpt.trainer_state["config"].get("batch_schedule") is not None:  # k follows it
         old = (plan["micro_batch"], plan["world_size"])
@@ -224,6 +208,14 @@ def batch_line(ckpt, resolved) -> str | None:
         f" x {old[2]} -> {new[0]} x k {new[1]} x {new[2]}, {resolved.tokens_per_step:,} tokens "
         "per step as before"
     )
+
+
+def lr_schedule(config: TrainConfig, ckpt, resolved, batch) -> tuple[Schedule, list[str]]:
+    """The lr schedule to continue on, and a line if the run's length changed it: over
+    optimizer steps, or over tokens seen when the batch varies (`batch`, a BatchState)."""
+    if batch.varies:
+        return token_schedule(config, ckpt, batch.total_tokens)
+    return schedule(config, ckpt, resolved)
 
 
 def schedule(config: TrainConfig, ckpt, resolved) -> tuple[Schedule, list[str]]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .errors import BadInput
+
 PRECISIONS = ("fp32", "bf16", "fp16")
 """Training precisions: fp32; bf16 or fp16 autocast (or 16-bit parameters with fp32
 accumulation); fp16 adds the loss scaler."""
@@ -14,5 +16,20 @@ BUILTIN_MODELS: dict[str, dict[str, int]] = {
 """The built-in GPT's presets (`--model NAME`): layers, heads and width; its vocabulary and
 sequence length come from the data."""
 
+TASKS = ("pretrain", "sft")
+"""--task of train and verify: pretraining on a token stream, or supervised fine-tuning on
+examples."""
+
 DEFAULT_MODEL = "tiny"
 """The built-in GPT preset used when no model is named."""
+
+DEVICES = "cpu, cuda, cuda:1, npu, npu:1, xpu, mps or auto"
+"""What --device takes, in the words every command's help and message use (the check itself,
+`gradaccum.parallel.devices.check_device`, needs torch)."""
+
+
+def check_builtin_model(name, flag: str) -> str:
+    """`name` when it is a preset of BUILTIN_MODELS; BadInput naming `flag` otherwise."""
+    if name not in BUILTIN_MODELS:
+        raise BadInput(flag, name, f"unknown preset; choose one of {', '.join(BUILTIN_MODELS)}")
+    return name

@@ -2,7 +2,8 @@
 
 - `check`: `verify`, one window through the engine against the same data as one batch, with
   the mistakes it demonstrates and what breaks equivalence;
-- `bigbatch` and `references`: the float64 big-batch reference and the error measures;
+- `reference`: the float64 big-batch reference, the window through the engine beside it, the
+  one relative-error measure, and the bounds of AdamW's drift;
 - `lint`: what in a model or loss breaks equivalence (batch statistics, dropout RNG, means);
 - `precision_study`: the error of accumulating in each precision as k grows;
 - `ranks` and `equivalence`: N gloo ranks on CPU (DDP, FSDP2) against one process taking the

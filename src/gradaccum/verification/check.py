@@ -22,24 +22,25 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..engine.precision import PRECISIONS, is_low_precision
+from ..engine.precision import is_low_precision
+from ..models.loss import IGNORE_INDEX
+from ..models.optimizer import adamw
+from ..utils.choices import PRECISIONS
 from ..utils.errors import BadInput
 from ..utils.jsonable import finite
-from .bigbatch import (
+from .lint import Finding, lint, list_names, quiet_rng
+from .reference import (
     Grads,
     Reference,
+    big_batch_reference,
     concat_batches,
     dense,
     engine_grads,
     grad_norm,
     max_rel_error,
-    reference_grads,
     rel_errors,
     trainable,
 )
-from .lint import Finding, lint, list_names, quiet_rng
-
-IGNORE_INDEX = -100
 
 # Largest relative error of a window gradient against the float64 big batch that passes, per
 # precision: the precision study's largest per-parameter error over k = 1..1024 on the built-in
@@ -68,7 +69,8 @@ class ParamError:
     max_abs_err: float
     """Largest |g_acc - g_big| over its elements."""
     rel_err: float
-    """|g_acc - g_big| / |g_big| (Frobenius norms)."""
+    """|g_acc - g_big| / |g_big| (Frobenius norms; `reference.rel_errors`, whose floor
+    measures a gradient that is zero up to rounding)."""
     cosine: float
     """Cosine of the angle between g_acc and g_big (1 for equal directions)."""
     param_abs_err: float
@@ -138,7 +140,7 @@ class VerifyReport:
 
 
 def _adamw(params) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=1e-3)
+    return adamw(params, lr=1e-3)
 
 
 def verify(
@@ -178,7 +180,7 @@ def verify(
         quieted = quiet_rng(prepared)
         whole = _whole_batch(micro_batches, big_batch, concat)
         say("the big batch in float64")
-        ref = reference_grads(prepared, whole, loss_fn, seed)
+        ref = big_batch_reference(prepared, whole, loss_fn, seed)
         options = {"precision": precision, "count_tokens": count_tokens}
         if any(is_low_precision(p.dtype) for _, p in trainable(prepared)):
             options["master_weights"] = True  # the fp32 buffer itself reaches the optimizer
@@ -380,7 +382,7 @@ def _short_window(c: _Context) -> float | None:
     the k/2 it ran, and the loss here is scaled by (k/2)/k to make that a division by k."""
     k = len(c.micro_batches)
     short = c.micro_batches[: k // 2]
-    ref = reference_grads(c.model, (c.concat or concat_batches)(short), c.loss_fn, c.seed)
+    ref = big_batch_reference(c.model, (c.concat or concat_batches)(short), c.loss_fn, c.seed)
 
     def over_k(model, batch):
         loss_sum, n = c.loss_fn(model, batch)

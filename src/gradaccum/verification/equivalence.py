@@ -27,19 +27,20 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ..engine.accumulator import Accumulator
+from ..models.loss import causal_lm_loss
 from ..parallel.process_group import RankInfo, aligned_windows
-from .bigbatch import reference_grads
 from .precision_study import HEADROOM, nice_ceil
 from .ranks import run_ranks
-from .references import (
+from .reference import (
     adam_ratio_bound,
     adamw,
     big_batch,
+    big_batch_reference,
     full,
     ragged_batches,
     record_grads,
-    rel_error,
-    token_loss,
+    whole_rel_error,
 )
 
 WRAPPERS = ("ddp", "fsdp2")
@@ -169,7 +170,7 @@ def check_equivalence(
     model_factory: Callable[[int], torch.nn.Module],
     world_size: int = 2,
     timeout_s: float = 120.0,
-    loss_fn: Callable = token_loss,
+    loss_fn: Callable = causal_lm_loss,
     count_tokens: Callable | str | None = "auto",
     **setup,
 ) -> EquivalenceReport:
@@ -179,8 +180,8 @@ def check_equivalence(
       `functools.partial` of one) whose output for `input_ids` (b, seq_len) long is logits
       (b, seq_len, >= vocab_size) or has them as `.logits`; seeded by it, so that every rank
       and the single process build the same weights.
-    loss_fn: a picklable loss_fn(model, batch) -> (loss_sum, num_tokens); `token_loss` by
-      default (labels aligned with the logits).
+    loss_fn: a picklable loss_fn(model, batch) -> (loss_sum, num_tokens); `causal_lm_loss`
+      by default (labels aligned with the logits).
     count_tokens: the Accumulator's (picklable), for a loss_fn that shifts labels itself.
     setup: the other fields of `EquivalenceSetup` (accum_steps, steps, wrapper, ...).
     """
@@ -192,7 +193,7 @@ def check_equivalences(
     model_factory: Callable[[int], torch.nn.Module],
     setups: list[EquivalenceSetup],
     timeout_s: float = 120.0,
-    loss_fn: Callable = token_loss,
+    loss_fn: Callable = causal_lm_loss,
     count_tokens: Callable | str | None = "auto",
     rank_bytes: int = 0,
 ) -> list[EquivalenceReport]:
@@ -254,15 +255,13 @@ def run_check_rank(
     info: RankInfo,
     factory: Callable,
     setup: EquivalenceSetup,
-    loss_fn: Callable = token_loss,
+    loss_fn: Callable = causal_lm_loss,
     count_tokens: Callable | str | None = "auto",
 ) -> dict | None:
     """One rank's part (any backend, on `info.device`); rank 0 returns what `compare` and
     `single_process_run` read, on CPU: the parameters before each optimizer step ("before")
     and after the last ("params"), the gradients handed to it, the reported losses, tokens,
     collectives and bytes per step."""
-    from ..engine.accumulator import Accumulator
-
     model = wrap(factory(setup.seed).to(info.device), setup.wrapper)
     optimizer = adamw(model.parameters())
     grads = record_grads(optimizer)
@@ -308,7 +307,7 @@ def single_process_run(
     factory: Callable,
     setup: EquivalenceSetup,
     device: torch.device | str = "cpu",
-    loss_fn: Callable = token_loss,
+    loss_fn: Callable = causal_lm_loss,
     *,
     ranks: dict,
 ) -> dict:
@@ -331,7 +330,7 @@ def single_process_run(
     for i, window in enumerate(windows):
         if starts is not None:
             _load(model, starts[i])
-        ref = reference_grads(model, _to(big_batch(window), device), loss_fn)
+        ref = big_batch_reference(model, _to(big_batch(window), device), loss_fn)
         grads.append([None if g is None else g.detach().cpu() for g in ref.grads])
         losses.append(ref.loss_sum / ref.tokens)
         tokens.append(ref.tokens)
@@ -382,8 +381,7 @@ def compare(setup: EquivalenceSetup, got: dict, want: dict) -> EquivalenceReport
     grad_error = loss_error = step_error = inf
     if steps == windows:
         grad_error = max(
-            rel_error(_flat(a, b), _flat(b, a))
-            for a, b in zip(got["grads"], want["grads"], strict=True)
+            whole_rel_error(a, b) for a, b in zip(got["grads"], want["grads"], strict=True)
         )
         loss_error = max(
             abs(a - b) / abs(b) for a, b in zip(got["losses"], want["losses"], strict=True)
@@ -416,16 +414,6 @@ def compare(setup: EquivalenceSetup, got: dict, want: dict) -> EquivalenceReport
 def _adamw_settings() -> dict:
     """lr, betas, eps and weight decay of the optimizer the check steps (`adamw`)."""
     return adamw([torch.zeros(1, requires_grad=True)]).defaults
-
-
-def _flat(grads: list, other: list) -> torch.Tensor:
-    """One vector of every parameter's gradient (zeros where it had none and `other` has)."""
-    parts = [
-        (g if g is not None else torch.zeros_like(o)).double().flatten()
-        for g, o in zip(grads, other, strict=True)
-        if g is not None or o is not None
-    ]
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
 
 
 def step_errors(

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .bigbatch import Reference, cast_floats, seeded, trainable
+from .reference import Reference, cast_floats, seeded, trainable
 
 # Attribute names under which modules keep a dropout probability they apply themselves
 # (attention dropout inside fused kernels reads the module's own training flag).

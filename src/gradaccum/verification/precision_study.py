@@ -26,8 +26,16 @@ from dataclasses import dataclass
 import torch
 
 from ..utils.atomic import write_atomic
-from .bigbatch import Grads, cast_floats, engine_grads, max_rel_error, seeded, trainable
 from .lint import quiet_rng
+from .reference import (
+    Grads,
+    cast_floats,
+    engine_grads,
+    max_rel_error,
+    seeded,
+    trainable,
+    whole_rel_error,
+)
 
 MODES = {
     "fp32": "fp32 parameters and gradients",
@@ -137,11 +145,7 @@ def _errors(got: Grads, want: Grads) -> tuple[float, float]:
     """(whole-gradient relative error, largest per-parameter one); inf for a skipped window."""
     if all(g is None for g in got):
         return math.inf, math.inf
-    pairs = [(g, w) for g, w in zip(got, want, strict=True) if w is not None]
-    whole_got = torch.cat([(g if g is not None else 0 * w).flatten().double() for g, w in pairs])
-    whole_want = torch.cat([w.flatten().double() for _, w in pairs])
-    whole = float((whole_got - whole_want).norm() / whole_want.norm().clamp(min=1e-300))
-    return whole, max_rel_error(got, want)
+    return whole_rel_error(got, want), max_rel_error(got, want)
 
 
 def nice_ceil(x: float) -> float:

@@ -1,0 +1,172 @@
+"""The model a run trains, from exactly one of: a built-in preset (`--model`), a Hugging Face
+config (`--model-config`), or a folder (`--init-from`: this project's checkpoint, or a folder
+as transformers' save_pretrained writes it). Shared by train, fit, verify and bench."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, fields
+
+import torch
+import torch.nn as nn
+
+from ..utils.choices import BUILTIN_MODELS, check_builtin_model
+from ..utils.errors import BadInput
+from . import hf_folder
+from .gpt import GPT, GPT_MODEL_TYPE, GPTConfig
+from .hf_config import UNBOUNDED, from_config, hf_info, max_positions
+from .hf_folder import short_error
+from .info import ModelInfo, check_fits
+
+
+def build_model(
+    preset: str | None = None,
+    config_path: str | None = None,
+    init_from: str | None = None,
+    vocab_size: int | None = None,
+    seq_len: int | None = None,
+    dropout: float = 0.0,
+    dtype: str = "auto",
+) -> tuple[nn.Module, ModelInfo]:
+    """Build the model to train, from exactly one of a preset, an HF config or a checkpoint.
+
+    preset: a key of BUILTIN_MODELS; vocab_size and seq_len (tokens) are then required.
+    config_path: a Hugging Face config.json (or its folder), built with transformers, random
+        init, nothing downloaded; vocab and positions come from the config.
+    init_from: a checkpoint folder of this project (config.json and model.safetensors or
+        model.pt, a state_dict), or a Hugging Face folder as save_pretrained writes it (single
+        or sharded safetensors, pytorch_model.bin; gradaccum.models.hf_folder).
+    For the last two, vocab_size and seq_len, when given, are checked to fit the model.
+    dtype: for a Hugging Face folder, "auto" keeps the stored dtype (bf16 stays bf16), "fp32"
+        upcasts. Other models are built as their config says (the built-in GPT in fp32).
+    Raises BadInput naming the flag on bad input.
+    """
+    given = [x for x in (preset, config_path, init_from) if x is not None]
+    if len(given) != 1:
+        raise ValueError("build_model: give exactly one of preset, config_path, init_from")
+    if init_from is not None:
+        return _from_checkpoint(init_from, vocab_size, seq_len, dropout, dtype)
+    if config_path is not None:
+        if not os.path.exists(config_path):
+            raise BadInput(f"--model-config {config_path}: no such file")
+        return from_config(
+            "--model-config", config_path, f"HF config {config_path}", vocab_size, seq_len
+        )
+    check_builtin_model(preset, "--model")
+    if vocab_size is None or seq_len is None:
+        raise ValueError("build_model: a preset needs vocab_size and seq_len")
+    model = GPT(
+        GPTConfig(vocab_size=vocab_size, seq_len=seq_len, dropout=dropout, **BUILTIN_MODELS[preset])
+    )
+    return model, gpt_info(model, f"preset {preset}")
+
+
+def gpt_info(model: GPT, source: str) -> ModelInfo:
+    """The ModelInfo of a built-in GPT; its config is what a checkpoint's config.json holds."""
+    cfg = model.config
+    return ModelInfo(
+        source=source,
+        kind="gpt",
+        params=model.num_params(),
+        layers=cfg.n_layer,
+        hidden=cfg.n_embd,
+        heads=cfg.n_head,
+        vocab_size=cfg.vocab_size,
+        seq_len=cfg.seq_len,
+        config={"model_type": GPT_MODEL_TYPE, **asdict(cfg)},
+    )
+
+
+def _from_hf_folder(directory: str, vocab_size, seq_len, dtype: str):
+    """A folder as transformers' save_pretrained writes it (gradaccum.models.hf_folder)."""
+    folder = hf_folder.read_folder(directory, flag="--init-from")
+    config = folder.config
+    positions = max_positions(config) or UNBOUNDED
+    check_fits("--init-from", directory, config.vocab_size, positions, vocab_size, seq_len)
+    model = hf_folder.load_model(folder, dtype=dtype)
+    # model.config, not the folder's: it records the dtype loaded (fp32 when upcast), which a
+    # checkpoint's config.json must carry for from_config to rebuild the same model.
+    source = f"HF {folder.describe()} from {directory}"
+    return model, hf_info(model, model.config, source, seq_len)
+
+
+def _load_state_dict(directory: str) -> dict:
+    st_path = os.path.join(directory, "model.safetensors")
+    pt_path = os.path.join(directory, "model.pt")
+    if os.path.exists(st_path):
+        try:
+            from safetensors.torch import load_file
+        except ImportError:
+            raise BadInput(
+                f"--init-from {directory}: model.safetensors needs safetensors (pip install safetensors)"
+            ) from None
+        state = load_file(st_path)
+    elif os.path.exists(pt_path):
+        try:
+            state = torch.load(pt_path, map_location="cpu", weights_only=True)
+        except Exception as err:  # torch raises many kinds for a file that is not a state_dict
+            raise BadInput(
+                "--init-from",
+                directory,
+                f"model.pt is not a readable state_dict ({short_error(err)})",
+            ) from None
+        if not isinstance(state, dict):
+            raise BadInput("--init-from", directory, "model.pt does not hold a state_dict")
+    else:
+        raise BadInput(f"--init-from {directory}: holds neither model.safetensors nor model.pt")
+    # Checkpoints written from a compiled or DDP-wrapped model carry these prefixes.
+    clean = {}
+    for key, value in state.items():
+        for prefix in ("_orig_mod.", "module."):
+            while key.startswith(prefix):
+                key = key[len(prefix) :]
+        clean[key] = value
+    return clean
+
+
+def _read_config(directory: str) -> dict:
+    """The checkpoint folder's config.json as a dict; BadInput naming --init-from otherwise."""
+    flag = "--init-from"
+    config_path = os.path.join(directory, "config.json")
+    if not os.path.isdir(directory):
+        raise BadInput(f"{flag} {directory}: no such folder")
+    if not os.path.exists(config_path):
+        raise BadInput(f"{flag} {directory}: no config.json in it")
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as err:  # malformed JSON, not UTF-8
+        raise BadInput(
+            flag, directory, f"config.json is not readable JSON ({short_error(err)})"
+        ) from None
+    if not isinstance(saved, dict):
+        raise BadInput(flag, directory, "config.json does not hold a JSON object")
+    return saved
+
+
+def _from_checkpoint(directory: str, vocab_size, seq_len, dropout: float, dtype: str):
+    flag = "--init-from"
+    saved = _read_config(directory)
+    source = f"checkpoint {directory}"
+    if saved.get("model_type", GPT_MODEL_TYPE) == GPT_MODEL_TYPE:
+        names = {f.name for f in fields(GPTConfig)}
+        kwargs = {k: v for k, v in saved.items() if k in names}
+        kwargs.setdefault("dropout", dropout)
+        try:
+            cfg = GPTConfig(**kwargs)
+        except (TypeError, ValueError) as err:
+            raise BadInput(f"{flag} {directory}: config.json is not a GPT config ({err})") from None
+        check_fits(flag, directory, cfg.vocab_size, cfg.seq_len, vocab_size, seq_len)
+        model, info = GPT(cfg), None
+    elif not os.path.exists(os.path.join(directory, "model.pt")):
+        return _from_hf_folder(directory, vocab_size, seq_len, dtype)
+    else:  # this project's own checkpoint of a Hugging Face model: config.json and model.pt
+        model, info = from_config(flag, directory, source, vocab_size, seq_len)
+    try:
+        model.load_state_dict(_load_state_dict(directory))
+    except RuntimeError as err:
+        raise BadInput(
+            flag, directory, f"weights do not match config.json ({short_error(err)})"
+        ) from None
+    return model, info or gpt_info(model, source)

@@ -1,0 +1,205 @@
+"""LoRA in `gradaccum train`: `--lora-rank R` (with --lora-alpha, --lora-dropout,
+--lora-targets, --merge-lora) trains low-rank adapters on a frozen base, for --task pretrain
+and --task sft alike (`gradaccum.models.lora`, on peft: the `lora` extra).
+
+Where a run meets it:
+- building the model (`attach`, from `parts.new_model`): the base is fingerprinted (sha256 of
+  its tensors, `base_fingerprint`), then the adapters go in and every base parameter is
+  frozen. This is before `--micro-batch auto` probes the model (so the probe measures the
+  frozen base: gradients and optimizer state for the adapters only) and before `parts.place`
+  (activation checkpointing, torch.compile, DDP, in that order, all on the adapted model; the
+  checkpointing is the non-reentrant kind, which gives the adapters their gradients although
+  the frozen blocks' inputs need none). The run's ModelInfo counts every parameter, base and
+  adapters, and its config carries the LoRA's record (`RECORD`: rank, alpha, dropout,
+  targets, counts, the base's sha256), which the checkpoint's config.json keeps.
+- the optimizer: `parts.optimizer`'s AdamW takes the parameters that require grad, the
+  adapters alone.
+- the plan (`trainable_params`, from `resolve_plan`): the frozen-base memory, gradients, fp32
+  buffers and optimizer state counted for the adapters only.
+- checkpoints (`checkpoint_state`, from `Outputs.save`): model.pt holds the adapters' tensors
+  only, trainer.pt the optimizer state, which holds theirs only. No base tensor: a resume
+  builds the base again as the new run did (`resumed_model`, from `parts.checkpoint_model`),
+  re-read from --init-from or built from the seed (the same seed draws the same weights), and
+  refuses, in one line, a base whose sha256 differs from the recorded one; the adapters then
+  load bit for bit, and the RNG state is restored after them (apply_lora draws A from it).
+- the end (`export`, from `Outputs.export`): --out/adapter, peft's adapter folder, which
+  `PeftModel.from_pretrained(base, folder)` loads onto the base; with --merge-lora also
+  --out/merged, the adapters folded into the weights (`models.lora.export_merged`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import fields, replace
+
+import torch
+
+from ..models import lora
+from ..models.export import has_lora, unwrap
+from ..models.info import ModelInfo
+from ..utils.errors import BadInput
+
+RECORD = "gradaccum_lora"
+"""The key of the LoRA's record in a LoRA run's model config (and its checkpoints'
+config.json)."""
+
+ADAPTER_FOLDER = "adapter"
+"""--out/adapter: peft's adapter folder, written when a LoRA run finishes."""
+
+MERGED_FOLDER = "merged"
+"""--out/merged: the merged model, written with --merge-lora."""
+
+COMPARED = (("rank", "--lora-rank"), ("alpha", "--lora-alpha"), ("dropout", "--lora-dropout"))
+"""Record fields a resume must keep, and their flags (targets are compared too)."""
+
+
+def spec(config) -> lora.LoraSpec | None:
+    """The LoRA `config` (a TrainConfig) asks for; None without --lora-rank."""
+    if config.lora_rank is None:
+        return None
+    return lora.LoraSpec(
+        rank=config.lora_rank,
+        alpha=config.lora_alpha,
+        dropout=config.lora_dropout or 0.0,
+        targets=config.lora_targets,
+    )
+
+
+def base_fingerprint(model: torch.nn.Module) -> str:
+    """sha256 over the base's tensors (names as before LoRA, dtypes, shapes, bytes), in name
+    order; the adapters, if injected, are left out. Reads every base byte once (a 7B bf16
+    model: 13 GB, some seconds)."""
+    model = unwrap(model)
+    adapted = has_lora(model)
+    state = {
+        lora.base_key(name) if adapted else name: t
+        for name, t in model.state_dict().items()
+        if not (adapted and lora.is_adapter_key(name))
+    }
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].detach().to("cpu").contiguous()
+        digest.update(f"{name} {t.dtype} {tuple(t.shape)}\n".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def attach(
+    model: torch.nn.Module, model_info: ModelInfo, config
+) -> tuple[torch.nn.Module, ModelInfo]:
+    """`model` with the LoRA `config` asks for applied in place (the base frozen), and its
+    ModelInfo: every parameter counted, RECORD in its config. Without --lora-rank, both as
+    given. BadInput for targets that match no linear layer, or peft missing."""
+    wanted = spec(config)
+    if wanted is None:
+        return model, model_info
+    fingerprint = base_fingerprint(model)
+    info = lora.apply_lora(model, wanted)
+    record = {
+        **info.to_dict(),
+        "targets": list(info.targets),
+        "base_sha256": fingerprint,
+        "base": model_info.source,
+    }
+    config_dict = {**model_info.config, RECORD: record}
+    return model, replace(model_info, params=info.total, config=config_dict)
+
+
+def record_of(model_info: ModelInfo) -> dict | None:
+    """The LoRA record of a run's model (None for a run without LoRA)."""
+    return model_info.config.get(RECORD)
+
+
+def trainable_params(model_info: ModelInfo) -> int | None:
+    """Parameters that train, for the plan's frozen-base memory; None: all of them."""
+    record = record_of(model_info)
+    return None if record is None else int(record["trainable"])
+
+
+def opening_lines(model_info: ModelInfo) -> list[str]:
+    """The start-of-run line: rank, alpha, targets, trainable parameters (count, fraction)."""
+    record = record_of(model_info)
+    if record is None:
+        return []
+    names = {f.name for f in fields(lora.LoraInfo)}
+    info = lora.LoraInfo(**{k: v for k, v in record.items() if k in names})
+    return [f"lora   {replace(info, targets=tuple(info.targets)).describe()}"]
+
+
+def checkpoint_state(model_state: dict, model_config: dict) -> dict:
+    """What a checkpoint's model.pt holds: for a LoRA run the adapters' tensors only (the
+    base is rebuilt on resume), else the whole state_dict."""
+    if RECORD not in model_config:
+        return model_state
+    return {k: v for k, v in model_state.items() if lora.is_adapter_key(k)}
+
+
+def _saved_record(path: str) -> dict | None:
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        return json.load(f).get(RECORD)
+
+
+def resumed_model(
+    config, path: str, model: torch.nn.Module, model_info: ModelInfo
+) -> tuple[torch.nn.Module, ModelInfo]:
+    """The model of a LoRA run resumed from checkpoint folder `path`: `model` (the base built
+    again as a new run builds it, with `attach`) given the checkpoint's adapters bit for bit.
+    BadInput (one line) when the checkpoint's run had no LoRA or another one, or when the
+    base is not the one the adapters were trained on (its sha256)."""
+    saved, now = _saved_record(path), record_of(model_info)
+    if saved is None:
+        raise BadInput(
+            "--lora-rank",
+            config.lora_rank,
+            f"the run in {config.out} trained without LoRA; a resume keeps its model",
+        )
+    for key, flag in (*COMPARED, ("targets", "--lora-targets")):
+        was, is_ = saved[key], now[key]
+        if key == "targets":
+            was, is_ = ",".join(was), ",".join(is_)
+        if was != is_:
+            raise BadInput(
+                flag,
+                f"{is_:g}" if isinstance(is_, float) else is_,
+                f"the run in {config.out} trained its adapters with {flag} "
+                f"{f'{was:g}' if isinstance(was, float) else was}; a resume keeps them",
+            )
+    if saved["base_sha256"] != now["base_sha256"]:
+        raise BadInput(
+            "--resume",
+            config.out,
+            f"the base model ({model_info.source}) is not the one the adapters were trained "
+            f"on: its weights' sha256 is {now['base_sha256'][:12]}..., the checkpoint's "
+            f"{saved['base_sha256'][:12]}...; resume with the same base weights",
+        )
+    state = torch.load(os.path.join(path, "model.pt"), map_location="cpu", weights_only=True)
+    try:
+        lora.load_adapter_state_dict(model, state)
+    except ValueError as err:
+        raise BadInput("--resume", config.out, str(err)) from None
+    return model, model_info
+
+
+def tokenizer_source(config):
+    """Where the exports take their tokenizer files from: the --init-from folder (those it
+    holds are copied), else none."""
+    return config.init_from
+
+
+def export(model: torch.nn.Module, config, tokenizer=None) -> list[str]:
+    """A finished LoRA run's exports into --out: adapter/ (peft's adapter folder; for the
+    built-in GPT with base_config.json beside it, see `models.lora.export_adapter`) and, with
+    --merge-lora, merged/ (`models.lora.export_merged`); the names written. `tokenizer`: a
+    folder or a tokenizer object whose files go beside them (default `tokenizer_source`)."""
+    model = unwrap(model)
+    tokenizer = tokenizer_source(config) if tokenizer is None else tokenizer
+    lora.export_adapter(
+        model, os.path.join(config.out, ADAPTER_FOLDER), base=config.init_from, tokenizer=tokenizer
+    )
+    written = [ADAPTER_FOLDER + "/"]
+    if config.merge_lora:
+        lora.export_merged(model, os.path.join(config.out, MERGED_FOLDER), tokenizer=tokenizer)
+        written.append(MERGED_FOLDER + "/")
+    return written

@@ -1,0 +1,120 @@
+"""What a run trains with: its data, its model placed on the device, and its optimizer.
+
+A new run and a resumed one (`Run.fresh`, `Run.resumed`) take them from here, so both train
+the same way: the model placed with activation checkpointing first, then torch.compile, then
+DDP (so the engine still sees DDP and its no_sync), and the same AdamW groups (a resumed
+optimizer's state loads into them). With --lora-rank the adapters are in the model from the
+moment it is built (`adapters.attach`), so all three wrap the adapted model and the optimizer
+gets the adapters alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from ..data.tokens import DataInfo, TokenDataset, load_tokens
+from ..models.build import build_model
+from ..models.checkpointing import set_checkpointing
+from ..models.info import ModelInfo
+from ..models.optimizer import adamw
+from ..parallel.process_group import RankInfo
+from ..utils.errors import BadInput, first_line
+from . import adapters, sft
+from .config import TrainConfig
+
+ADAM_BETAS = (0.9, 0.95)
+"""AdamW's betas in training (nanoGPT, GPT-3): a shorter second-moment memory than torch's
+0.999, steadier at the large LRs of small models."""
+
+
+@dataclass
+class Data:
+    """The run's tokens: the training split, the held-out split, and what they are."""
+
+    train: TokenDataset
+    val: TokenDataset
+    info: DataInfo
+
+
+def load_data(config: TrainConfig) -> Data | sft.SFTParts:
+    """--data read and split (`load_tokens`; with --task sft, `sft.load_data`: examples);
+    BadInput naming --data when it cannot be."""
+    try:
+        if config.task == "sft":
+            return sft.load_data(config)
+        return Data(*load_tokens(config.data, config.seq_len, config.seed))
+    except BadInput:
+        raise
+    except (ValueError, OSError, ImportError) as err:
+        raise BadInput("--data", config.data or "(built-in)", first_line(err)) from None
+
+
+def new_model(config: TrainConfig, data_info: DataInfo) -> tuple[torch.nn.Module, ModelInfo]:
+    """A new run's model: --model, --model-config or --init-from, sized for the data; with
+    --lora-rank, the adapters on it and the base frozen (`adapters.attach`)."""
+    model, info = build_model(
+        preset=config.preset,
+        config_path=config.model_config,
+        init_from=config.init_from,
+        vocab_size=data_info.vocab_size,
+        seq_len=config.seq_len,
+    )
+    return adapters.attach(model, info, config)
+
+
+def checkpoint_model(
+    config: TrainConfig, data_info: DataInfo, path: str
+) -> tuple[torch.nn.Module, ModelInfo]:
+    """A resumed run's model as trained: the config.json and weights of the checkpoint at
+    `path`; BadInput naming --resume when the data no longer fits it. A LoRA checkpoint holds
+    the adapters only: the base is built again as the new run built it (`adapters`)."""
+    if config.lora_rank is not None:
+        return adapters.resumed_model(config, path, *new_model(config, data_info))
+    try:
+        return build_model(init_from=path, vocab_size=data_info.vocab_size, seq_len=config.seq_len)
+    except BadInput as err:
+        raise BadInput(
+            "--resume", config.out, f"the checkpoint's model does not fit ({err.why or err})"
+        ) from None
+
+
+def place(model: torch.nn.Module, config: TrainConfig, rank_info: RankInfo) -> torch.nn.Module:
+    """`model` on the rank's device with --activation-checkpointing and --compile, under DDP
+    when there are several ranks."""
+    device = rank_info.device
+    model.to(device)
+    if config.activation_checkpointing and not set_checkpointing(model, True):
+        raise BadInput(
+            "--activation-checkpointing",
+            None,
+            f"{type(model).__name__} cannot recompute its "
+            "activations (no set_activation_checkpointing or gradient_checkpointing_enable)",
+        )
+    if config.compile:  # before DDP, so the engine still sees DDP and its no_sync
+        model = torch.compile(model)
+    if rank_info.world_size > 1:
+        ids = [device.index] if device.type not in ("cpu", "mps") else None
+        model = DistributedDataParallel(model, device_ids=ids)
+    return model
+
+
+def optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    """The run's AdamW: --lr and --weight-decay, the decay on matrices and embeddings only."""
+    return adamw(
+        model,
+        lr=config.lr,
+        weight_decay=config.weight_decay,
+        betas=ADAM_BETAS,
+        eps=1e-8,
+        decay_matrices_only=True,
+    )
+
+
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The model itself, under DDP's `module` and torch.compile's `_orig_mod`."""
+    if isinstance(model, DistributedDataParallel):
+        model = model.module
+    return getattr(model, "_orig_mod", model)

@@ -1,0 +1,139 @@
+"""Out of memory mid-window: the window abandoned, rewound and redone with a smaller
+micro-batch, on every rank at once; and a rank lost under torchrun, said in one line.
+
+Before each micro-batch the ranks agree (`Recovery.agree`, a MAX all-reduce) on GO, STOP (a
+stop request: the window is abandoned) or OUT_OF_MEMORY (a rank ran out of memory on the
+micro-batch before): ranks must abandon the same micro-step, or one waits in the last one's
+all-reduce. An abandoned window is rewound (nothing stepped, nothing counted, the data and
+the RNG back at its start, as the last checkpoint would be); after out of memory it is redone
+from its first micro-batch with the largest micro-batch of at most half the sequences that
+divides the old one, and k up by the same factor: the same tokens per step, the same data
+(`BatchState.shrink`).
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+
+from ..engine.accumulator import Accumulator, StepResult
+from ..parallel import collectives, devices
+from ..parallel.process_group import RankInfo, peer_lost
+from ..utils.errors import RanksLost, RunFailed, first_line
+from . import checkpoint
+from .batch_state import BatchState, smaller_micro_batch
+
+GO, STOP, OUT_OF_MEMORY = 0, 1, 2
+"""What the ranks agree on before each micro-batch (the largest wins)."""
+PEER_OUT_OF_MEMORY = "peer out of memory"
+"""A window's answer when another rank ran out of memory in it."""
+
+
+class Recovery:
+    """Runs a window until it finishes (`run`), redoing it smaller after out of memory.
+
+    `report(line, event)`: called after each shrink with the line to print and the
+    metrics.jsonl event (step, "out_of_memory", the new micro-batch and k)."""
+
+    def __init__(
+        self,
+        acc: Accumulator,
+        batches,
+        batch: BatchState,
+        rank_info: RankInfo,
+        report: Callable[[str, dict], None],
+    ):
+        self.acc, self.batches, self.batch = acc, batches, batch
+        self.rank_info, self.report = rank_info, report
+        self.micro_index = -1
+        """The micro-batch of the window in progress (-1 before its first)."""
+
+    def begin_window(self) -> None:
+        """Before a window's micro-batches are fetched."""
+        self.micro_index = -1
+
+    def agree(self, stop_requested: bool, micro_index: int) -> int:
+        """Before micro-batch `micro_index` of the window: GO, STOP or OUT_OF_MEMORY, the
+        same on every rank."""
+        self.micro_index = micro_index
+        here = STOP if stop_requested else GO
+        if self.rank_info.world_size == 1:
+            return here
+        return collectives.max_over_ranks(here)
+
+    def run(self, window: Callable[[], StepResult | str | None]) -> StepResult | None:
+        """`window()` until it returns its StepResult; None when it answered None (a stop
+        request mid-window), after rewinding. Out of memory here, or PEER_OUT_OF_MEMORY
+        answered: rewound, shrunk, and done again."""
+        position, rng = self.batches.position, checkpoint.rng_state()
+        while True:
+            try:
+                result = window()
+                failed = None
+            except devices.out_of_memory_errors() as err:
+                failed = first_line(err)
+            # Rewound outside the handler: its traceback holds the window's tensors.
+            if failed is None and isinstance(result, StepResult):
+                return result
+            if failed is not None:
+                self._tell_ranks(failed)
+            self.acc.abandon_window()
+            self.batches.position = position
+            checkpoint.set_rng_state(rng)
+            if failed is None and result is None:
+                return None
+            self._shrink(failed or "on another rank")
+            position = self.batches.position
+
+    def _tell_ranks(self, error: str) -> None:
+        """Under torchrun, after this rank ran out of memory on micro-batch i: the others are
+        about to agree before micro-batch i+1 (`agree`), so this rank joins that agreement
+        with OUT_OF_MEMORY and all redo the window. On the window's last micro-batch the
+        others may already be in the gradients' all-reduce: nothing to join, the run stops."""
+        info = self.rank_info
+        if info.world_size == 1:
+            return
+        if not 0 <= self.micro_index < self.batch.k - 1:
+            smaller = smaller_micro_batch(self.batch.micro_batch)
+            advice = (
+                f"--resume --micro-batch {smaller}" if smaller else "--activation-checkpointing"
+            )
+            raise RunFailed(
+                f"rank {info.rank}: out of memory in step {self.acc.steps + 1} "
+                f"outside the window's first k-1 micro-batches ({error}), where the ranks "
+                f"cannot redo it together; continue with {advice} (the tokens per step stay)"
+            )
+        collectives.max_over_ranks(OUT_OF_MEMORY)
+
+    def _shrink(self, error: str) -> None:
+        """The batch shrunk (`BatchState.shrink`), the device's cache emptied, the event
+        reported. Every rank does the same (they agreed in `agree`)."""
+        old, step = self.batch.micro_batch, self.acc.steps + 1
+        smaller = self.batch.shrink(self.acc.steps)
+        if smaller is None:
+            raise RunFailed(
+                f"rank {self.rank_info.rank}: out of memory in step {step} at micro-batch "
+                f"{old} ({error}); try --activation-checkpointing or a shorter --seq-len"
+            )
+        gc.collect()
+        devices.empty_cache(self.rank_info.device)
+        self.batches.set_micro_batch(smaller)
+        k = self.batch.k
+        line = (
+            f"step {step}: out of memory at micro-batch {old} ({error}); redoing the window "
+            f"with micro-batch {smaller} x k {k}, the same tokens per step"
+        )
+        event = {"step": step, "event": "out_of_memory", "micro_batch": smaller, "accum_steps": k}
+        self.report(line, event)
+
+
+def lost_rank(err: BaseException, rank_info: RankInfo, timeout_s: float, step: int):
+    """`err` as one line (RanksLost) when it is a collective that failed because another rank
+    died or stopped answering (`timeout_s`: --dist-timeout) after `step` optimizer steps;
+    None for any other error."""
+    if not isinstance(err, RuntimeError) or rank_info.world_size == 1 or not peer_lost(err):
+        return None
+    return RanksLost(
+        f"rank {rank_info.rank} of {rank_info.world_size}: another rank stopped answering (it "
+        f"died or hangs; --dist-timeout {timeout_s:g} s) at step {step}: {first_line(err)}"
+    )

@@ -1,0 +1,338 @@
+"""`gradaccum train --task sft`: the data of a fine-tuning run, its windows and its evaluation.
+
+What differs from pretraining, and only that, is here; the loop (`gradaccum.train.loop`) runs
+both tasks:
+- the data (`load_data`): the rows of --data (.jsonl, .json, .parquet, hf:NAME) or the
+  built-in instruction set (`gradaccum.data.sft_tasks`), tokenized by the model's tokenizer
+  (the built-in byte tokenizer for the built-in GPT, the --init-from folder's own with its
+  chat template for a Hugging Face folder) into examples whose targets are the completion
+  tokens (`gradaccum.data.sft`), and a held-out split (`split_heldout`);
+- the windows (`SFTStream`): --examples-per-step examples, or whole examples up to
+  --tokens-per-step counted target tokens, per optimizer step, over all ranks, dealt to the
+  ranks and cut into micro-batches padded to their longest (`gradaccum.data.sft_batches`).
+  The engine's N is the window's target tokens over every micro-batch and rank, so the step
+  does not depend on the micro-batch or the number of ranks;
+- the plan (`plan_config`): the window's examples as sequences of --seq-len (the memory
+  bound: no micro-batch is wider), k = ceil(examples per rank / micro-batch);
+- the evaluation (`evaluate`): the held-out loss over completion tokens, and on the built-in
+  set exact match by greedy generation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..data.sft import SFTData, load_sft, tokenize_rows
+from ..data.sft_batches import SFTBatches, split_heldout
+from ..data.sft_eval import exact_match, heldout_loss
+from ..data.sft_examples import Example
+from ..data.sft_rows import rows_from_dicts
+from ..data.sft_tasks import SOURCE, builtin_rows, check
+from ..data.tokenizers import ByteTokenizer, load_tokenizer
+from ..data.tokens import DataInfo
+from ..engine.precision import autocast_dtype
+from ..models.gpt import GPT_MODEL_TYPE
+from ..parallel import devices
+from ..utils.errors import BadInput
+from .config import TrainConfig
+
+HELDOUT_FRACTION = 0.05
+"""Share of the examples held out for evaluation (at least one, when there are two or more)."""
+HELDOUT_MAX = 500
+"""Most examples held out: enough for an exact-match rate to two decimals, quick to generate."""
+PLAN_WINDOWS = 64
+"""Windows of the data order read ahead to state a --tokens-per-step run's examples per step."""
+SAMPLES = 3
+"""Held-out answers printed with each exact-match figure."""
+
+
+@dataclass
+class SFTParts:
+    """A fine-tuning run's data: the examples to train on and to evaluate on, and what they
+    are. `train`, `val` and `info` are what the loop reads of any run's data."""
+
+    train: list[Example]
+    val: list[Example]
+    """The held-out examples (none when the data holds a single example)."""
+    info: DataInfo
+    """Source, vocabulary (the tokenizer's), token counts and the fingerprint a resume checks."""
+    tokenizer: object
+    """The `gradaccum.data.tokenizers.Tokenizer` the examples were made with."""
+    tokenizer_dir: str | None
+    """The folder the tokenizer was read from (its files go beside an export); None: bytes."""
+    sft: SFTData
+    """What was read: rows, bad rows, truncated and dropped examples, lengths."""
+    builtin: bool
+    """Whether this is the built-in instruction set (whose answers a program checks)."""
+
+    def summary_lines(self) -> list[str]:
+        """The start-of-run lines about the data (`SFTData.summary_lines`) and the split."""
+        return self.sft.summary_lines() + [
+            f"  {len(self.train)} examples to train on, {len(self.val)} held out; "
+            f"tokenizer {self.tokenizer.origin}"
+        ]
+
+
+def tokenizer_for(config: TrainConfig):
+    """The tokenizer of the run's model: bytes for the built-in GPT (a preset or this
+    project's checkpoint of one), else the tokenizer in the --init-from folder, or in the
+    folder of --model-config. BadInput when that folder holds none."""
+    if config.init_from is not None:
+        if _model_type(config.init_from) == GPT_MODEL_TYPE:
+            return ByteTokenizer(), None
+        return load_tokenizer(config.init_from, flag="--init-from"), config.init_from
+    if config.model_config is not None:
+        path = config.model_config
+        folder = path if os.path.isdir(path) else os.path.dirname(path) or "."
+        return load_tokenizer(folder, flag="--model-config"), folder
+    return ByteTokenizer(), None
+
+
+def _model_type(folder: str) -> str | None:
+    try:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+            saved = json.load(f)
+    except (OSError, ValueError):
+        return None  # build_model says what is wrong with the folder, naming the flag
+    return saved.get("model_type", GPT_MODEL_TYPE) if isinstance(saved, dict) else None
+
+
+def load_data(config: TrainConfig) -> SFTParts:
+    """The run's examples: read, tokenized, split. BadInput (one line naming --data and the
+    row, or the folder of the tokenizer) on bad input."""
+    tokenizer, tokenizer_dir = tokenizer_for(config)
+    options = dict(
+        seq_len=config.seq_len,
+        data_format=config.data_format,
+        train_on_prompt=config.train_on_prompt,
+        drop_long=config.drop_long,
+        skip_bad_rows=config.skip_bad_rows,
+    )
+    if config.data is None:
+        rows = rows_from_dicts(builtin_rows(config.seed), SOURCE)
+        data = tokenize_rows(rows, tokenizer, source=SOURCE, **options)
+    else:
+        data = load_sft(config.data, tokenizer, **options)
+    n = len(data.examples)
+    count = min(HELDOUT_MAX, max(1, round(HELDOUT_FRACTION * n))) if n >= 2 else 0
+    train, val = split_heldout(data.examples, count, seed=config.seed, flag="--data")
+    info = DataInfo(
+        source=data.source,
+        vocab_size=tokenizer.vocab_size,
+        entropy_floor=None,
+        num_tokens=sum(e.length for e in data.examples),
+        train_tokens=sum(e.length for e in train),
+        val_tokens=sum(e.length for e in val),
+        eod_token=tokenizer.eos_id,
+        fingerprint=fingerprint(train, val),
+    )
+    return SFTParts(train, val, info, tokenizer, tokenizer_dir, data, config.data is None)
+
+
+def fingerprint(train: list[Example], val: list[Example]) -> str:
+    """A hash of every example's ids and labels, both splits in order: equal for the same
+    examples however they were read."""
+    digest = hashlib.sha256()
+    for part in (train, val):
+        digest.update(len(part).to_bytes(8, "little"))
+        for e in part:
+            digest.update(len(e.input_ids).to_bytes(8, "little"))
+            digest.update(e.input_ids.tobytes())
+            digest.update(e.labels.tobytes())
+    return digest.hexdigest()
+
+
+class SFTStream:
+    """The run's windows (`SFTBatches`) as the loop, its out-of-memory recovery and its
+    checkpoint read them: `next` a window, `position` an opaque place in the data order to
+    rewind to, `set_micro_batch`, `state_dict` / `load_state_dict`."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        examples: list[Example],
+        pad_id: int,
+        micro_batch: int,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
+        self.inner = SFTBatches(
+            examples,
+            micro_batch=micro_batch,
+            pad_id=pad_id,
+            examples_per_step=config.examples_per_step,
+            tokens_per_step=config.tokens_per_step,
+            seed=config.seed,
+            rank=rank,
+            world_size=world_size,
+        )
+
+    @property
+    def micro_batch(self) -> int:
+        return self.inner.micro_batch
+
+    @property
+    def position(self) -> tuple[int, int]:
+        """(examples taken over all ranks, windows taken): where to rewind to."""
+        return self.inner.position, self.inner.windows
+
+    @position.setter
+    def position(self, value: tuple[int, int]) -> None:
+        self.inner.position, self.inner.windows = value
+
+    def set_micro_batch(self, micro_batch: int) -> None:
+        """Cut the next windows into micro-batches of `micro_batch` examples (the windows
+        themselves do not change)."""
+        self.inner.micro_batch = micro_batch
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self.inner)
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict, other_data: bool = False) -> None:
+        """Continue after the checkpoint's last window; with `other_data`, other examples
+        read on from the same place in the order."""
+        if other_data:
+            self.inner.position, self.inner.windows = int(state["position"]), int(state["windows"])
+            return
+        self.inner.load_state_dict(state)
+
+
+def _ahead(config: TrainConfig, examples: list[Example]) -> SFTBatches:
+    """A copy of the data order to read ahead in (the windows do not depend on the
+    micro-batch or the ranks)."""
+    return SFTBatches(
+        examples,
+        micro_batch=1,
+        pad_id=0,
+        examples_per_step=config.examples_per_step,
+        tokens_per_step=config.tokens_per_step,
+        seed=config.seed,
+    )
+
+
+def total_steps(config: TrainConfig, examples: list[Example]) -> int:
+    """Optimizer steps of the run: --max-steps, or the windows it takes the data order to
+    hold --max-tokens counted (target) tokens."""
+    if config.max_steps is not None:
+        return config.max_steps
+    ahead, seen, steps = _ahead(config, examples), 0, 0
+    while seen < config.max_tokens:
+        indices = ahead.next_indices()
+        seen += int(ahead.targets[indices].sum())
+        ahead.position += len(indices)
+        steps += 1
+    return steps
+
+
+def examples_per_step(config: TrainConfig, examples: list[Example]) -> float:
+    """Examples per window: --examples-per-step, or the mean of the first PLAN_WINDOWS
+    windows of a --tokens-per-step run."""
+    if config.examples_per_step is not None:
+        return config.examples_per_step
+    ahead, taken = _ahead(config, examples), 0
+    for _ in range(PLAN_WINDOWS):
+        indices = ahead.next_indices()
+        ahead.position += len(indices)
+        taken += len(indices)
+    return taken / PLAN_WINDOWS
+
+
+def plan_config(
+    config: TrainConfig,
+    examples: list[Example],
+    world_size: int,
+    micro_batch: int | str | None = None,
+) -> TrainConfig:
+    """The config `resolve_plan` plans an SFT run with: each window's examples as sequences
+    of --seq-len tokens (no micro-batch is wider, so the memory estimate bounds the run's), k
+    = ceil(examples per rank / micro-batch), the run's steps."""
+    micro = config.micro_batch if micro_batch is None else micro_batch
+    per_step = max(math.ceil(examples_per_step(config, examples)), world_size)
+    if micro != "auto":
+        per_step = math.ceil(per_step / (micro * world_size)) * micro * world_size
+    return replace(
+        config,
+        examples_per_step=None,
+        tokens_per_step=per_step * config.seq_len,
+        micro_batch=micro,
+        max_steps=total_steps(config, examples),
+        max_tokens=None,
+    )
+
+
+def resume_plan_config(config: TrainConfig, ckpt, examples: list[Example], world_size: int):
+    """`plan_config` of a resumed run: the micro-batch it trained with unless --micro-batch
+    changes it (the windows are counted in examples, so any micro-batch and number of ranks
+    continue them); a changed --tokens-per-step is refused (it would make other windows)."""
+    saved = ckpt.trainer_state["config"]
+    if config.tokens_per_step != saved.get("tokens_per_step"):
+        raise BadInput(
+            "--tokens-per-step",
+            config.tokens_per_step,
+            f"the run in {config.out} was trained with --tokens-per-step "
+            f"{saved.get('tokens_per_step')}; the budget fixes the data's windows, a resume "
+            "keeps it",
+        )
+    micro = ckpt.trainer_state["plan"]["micro_batch"]
+    if config.micro_batch not in ("auto", saved.get("micro_batch")):
+        micro = config.micro_batch
+    return plan_config(config, examples, world_size, micro)
+
+
+def plan_lines(
+    config: TrainConfig, parts: SFTParts, micro_batch: int, world_size: int
+) -> list[str]:
+    """What an SFT step holds, after the plan's table (whose tokens are the --seq-len bound)."""
+    per_step = examples_per_step(config, parts.train)
+    ahead = _ahead(config, parts.train)
+    targets = []
+    for _ in range(PLAN_WINDOWS):
+        indices = ahead.next_indices()
+        ahead.position += len(indices)
+        targets.append(int(ahead.targets[indices].sum()))
+    what = "prompt and completion" if config.train_on_prompt else "completion"
+    batch = (
+        f"{config.examples_per_step} examples per step"
+        if config.examples_per_step is not None
+        else f"whole examples up to {config.tokens_per_step:,} counted tokens per step "
+        f"(about {per_step:.1f} examples)"
+    )
+    return [
+        f"sft    {batch}, micro-batch {micro_batch} x {world_size} rank(s), k = ceil(examples "
+        f"per rank / micro-batch); about {sum(targets) / len(targets):,.0f} counted ({what}) "
+        "tokens per step over the first windows; micro-batches padded to their longest "
+        "(the table's tokens are the --seq-len bound)"
+    ]
+
+
+def evaluate(
+    model: torch.nn.Module, parts: SFTParts, micro_batch: int, device, precision: str
+) -> tuple[dict, list[str]]:
+    """The held-out loss over the target tokens (nats per token) and, on the built-in set,
+    exact match by greedy generation: the metrics record's fields and the lines to print."""
+    with devices.autocast(device, autocast_dtype(precision)):
+        loss = heldout_loss(model, parts.val, parts.tokenizer.pad_id, micro_batch=micro_batch)
+        fields = {"eval_loss": loss.loss, "eval_tokens": loss.tokens}
+        if not parts.builtin:
+            return fields, [f"eval loss {loss.loss:.4f}"]
+        em = exact_match(model, parts.val, parts.tokenizer, check=check, samples=SAMPLES)
+    fields["exact_match"] = em.rate
+    lines = [f"eval loss {loss.loss:.4f}, exact match {em.correct}/{em.total} ({em.rate:.3f})"]
+    for s in em.samples:
+        lines.append(
+            f"  {'ok ' if s.correct else 'no '} {s.prompt.strip()!r} -> {s.generated!r}"
+            + ("" if s.correct else f" (expected {s.expected.strip()!r})")
+        )
+    return fields, lines

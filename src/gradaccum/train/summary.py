@@ -1,0 +1,182 @@
+"""What a run says: the lines it starts with, and how it ends in words: the stop line, the
+critical-batch line, loss.png and its title, and the summary (the --json object)."""
+
+from __future__ import annotations
+
+import math
+import os
+
+from ..models.info import ModelInfo
+from ..plan.sizes import fmt_count
+from ..utils.errors import DiskFull
+from . import adapters
+from .batch_state import BatchState
+from .config import TrainConfig
+from .metrics import plot_loss
+from .outputs import Outputs
+from .payload import RunState
+
+
+def opening_lines(
+    config: TrainConfig, resolved, model_info: ModelInfo, data_info, device, resumed_at: int | None
+) -> list[str]:
+    """The plan's table, the model, the data, the device and where the run starts
+    (`resumed_at`: the step a resume continues from, None for a new run)."""
+    info, floor = data_info, data_info.entropy_floor
+    at = f", resuming at step {resumed_at}" if resumed_at is not None else ""
+    lines = [
+        resolved.table,
+        f"model  {model_info.source}: {model_info.params:,} parameters",
+        f"data   {info.source}: vocab {info.vocab_size}, ln V = {math.log(info.vocab_size):.3f}"
+        + (f", entropy floor {floor:.3f} nats/token" if floor is not None else ""),
+        f"device {device}, precision {config.precision}, out {config.out}{at}",
+    ]
+    lines[2:2] = adapters.opening_lines(model_info)  # LoRA: targets, trainable parameters
+    if device.type == "cpu" and config.precision != "fp32":
+        lines.append(
+            f"note: {config.precision} on CPU is usually several times slower than fp32 "
+            "(few CPUs have fast low-precision matmuls); fp32 is the faster choice here"
+        )
+    return lines
+
+
+def stopped_line(stopped: str, step: int, total: int, outputs: Outputs) -> str:
+    """A run stopped by `stopped` (SIGTERM, SIGINT, a request) after `step` of `total`
+    steps: what was saved, and how to go on."""
+    head = f"stopped by {stopped} at step {step}/{total}"
+    if outputs.saved_step == step:
+        return (
+            f"{head}; checkpoint saved, continue with: gradaccum train --resume "
+            f"--out {outputs.config.out}"
+        )
+    failed = outputs.failed_save
+    if failed is not None and failed[0] == step:
+        kept = outputs.kept("free space and ")
+        return f"{head}; its checkpoint was not written ({failed[1]}), {kept}"
+    return f"{head}, before its first window: nothing to save; {outputs.kept()}"
+
+
+def plot(records: list[dict], outputs: Outputs, entropy_floor: float | None, title: str):
+    """loss.png: ["loss.png"] once written, else [] and why in `outputs.not_written`."""
+    try:
+        written = plot_loss(
+            records, os.path.join(outputs.config.out, "loss.png"), entropy_floor, title=title
+        )
+    except DiskFull as err:
+        outputs.not_written["loss.png"] = err.reason
+        return []
+    if not written:
+        outputs.not_written["loss.png"] = "matplotlib not installed: pip install 'gradaccum[plot]'"
+    return ["loss.png"] if written else []
+
+
+def plot_title(
+    records: list[dict], model_info: ModelInfo, batch: BatchState, config: TrainConfig
+) -> str:
+    """The model and the batch: b x k x world, or a schedule's first and last batch; for
+    --task sft the examples and the mean counted tokens per step."""
+    if config.task == "sft":
+        counted = [r["counted_tokens"] for r in records if "counted_tokens" in r] or [0]
+        per_step = config.examples_per_step
+        size = f"{per_step} examples" if per_step else f"<= {config.tokens_per_step:,} tokens"
+        return (
+            f"{model_info.source}, --task sft, {size}/step "
+            f"({sum(counted) / len(counted):,.0f} counted tokens/step)"
+        )
+    if not batch.varies:
+        return (
+            f"{model_info.source}, {batch.tokens_per_step:,} tokens/step "
+            f"(b {batch.micro_batch} x k {batch.k} x world {batch.world_size})"
+        )
+    sizes = [r["tokens_per_step"] for r in records if "tokens_per_step" in r] or [0]
+    return (
+        f"{model_info.source}, {fmt_count(sizes[0])} -> {fmt_count(sizes[-1])} "
+        f"tokens/step (--batch-schedule {config.batch_schedule})"
+    )
+
+
+def critical_tokens(noise) -> float | None:
+    """The last noise-scale estimate of the critical batch, in tokens; None before a
+    finite one (`noise`: the accumulator's `NoiseScale.last`, or None)."""
+    if noise is None or not math.isfinite(noise.b_simple_tokens):
+        return None
+    return noise.b_simple_tokens
+
+
+def critical_batch_line(noise, tokens_per_step: int) -> str | None:
+    """With --noise-scale: the estimated critical batch against this run's, in one line;
+    None before the first estimate."""
+    critical, here = critical_tokens(noise), tokens_per_step
+    if critical is None or critical <= 0:
+        return None
+    if here < critical / 2:
+        meaning = (
+            "below it, larger batches buy about proportionally fewer steps: the next run "
+            "can take more tokens per step for little more compute"
+        )
+    elif here > 2 * critical:
+        meaning = (
+            "far above it, much of each step's compute is wasted: the next run can take "
+            "fewer tokens per step and more steps for the same loss"
+        )
+    else:
+        meaning = (
+            "near it; below it larger batches buy proportionally fewer steps, far above it "
+            "compute is wasted"
+        )
+    return (
+        f"critical batch about {fmt_count(critical)} tokens (noise scale), this run "
+        f"{fmt_count(here)} tokens per step: {meaning}"
+    )
+
+
+def summary(
+    records: list[dict],
+    stopped: str | None,
+    *,
+    config: TrainConfig,
+    state: RunState,
+    batch: BatchState,
+    steps: int,
+    data_info,
+    model_info: ModelInfo,
+    device,
+    noise,
+    wall_s: float,
+) -> dict:
+    """The --json object. Losses are nats per token: initial_loss of the run's first
+    window, final_loss of its last, final_eval_loss on the held-out split. tokens_per_s
+    counts only time inside training windows (not eval, saving or start-up); wall_s is
+    this process's whole time. Ranks other than 0 read no metrics and report no losses."""
+    train_lines = [r for r in records if "loss" in r]
+    eval_lines = [r for r in records if "eval_loss" in r]
+    sft = config.task == "sft"
+    return {
+        "initial_loss": state.initial_loss,
+        "final_loss": train_lines[-1]["loss"] if train_lines else None,
+        "final_eval_loss": eval_lines[-1]["eval_loss"] if eval_lines else None,
+        "final_exact_match": eval_lines[-1].get("exact_match") if eval_lines else None,
+        "task": config.task,
+        "entropy_floor": data_info.entropy_floor,
+        "ln_vocab": math.log(data_info.vocab_size),
+        "steps": steps,
+        "total_steps": batch.total,
+        "tokens": batch.tokens,
+        "tokens_per_s": batch.tokens / max(state.train_s, 1e-9),
+        "skipped": sum(1 for x in train_lines if x.get("skipped")),
+        "wall_s": wall_s,
+        "micro_batch": batch.micro_batch,
+        "accum_steps": batch.k,
+        "world_size": batch.world_size,
+        # --task sft: the mean counted (target) tokens of a step, which vary by window
+        "tokens_per_step": batch.tokens // max(steps, 1) if sft else batch.tokens_per_step,
+        "examples_per_step": config.examples_per_step,
+        "batch_schedule": config.batch_schedule,
+        "params": model_info.params,
+        "lora": adapters.record_of(model_info),  # rank, targets, trainable count; None: no LoRA
+        "device": str(device),
+        "precision": config.precision,
+        "stopped": stopped,
+        "noise_scale_tokens": critical_tokens(noise),
+        "out": config.out,
+    }

@@ -1,0 +1,160 @@
+"""`gradaccum plan --base-bits`: a frozen base stored in 4, 8 or 16 bits, against byte counts
+derived by hand from the published Llama 2 7B parameter count and shape."""
+
+import json
+from fractions import Fraction
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gradaccum.cli import main
+from gradaccum.plan import PlanInputs, make_plan
+from gradaccum.plan.presets import ModelShape
+
+P7 = 6_738_415_616  # published Llama 2 7B parameter count
+H, F, L, V = 4096, 11008, 32, 32000  # its width, MLP width, blocks, vocabulary
+LINEAR7 = L * (4 * H * H + 3 * H * F)  # q, k, v, o and gate, up, down of every block
+ADAPTERS16 = L * 16 * (4 * (H + H) + 3 * (H + F))  # rank 16: r x (in + out) per matrix
+# NF4: 4 bits a weight, an 8-bit absmax per 64 weights, an fp32 constant per 256 absmaxes.
+NF4_PER_PARAM = Fraction(1, 2) + Fraction(8, 64 * 8) + Fraction(32, 64 * 256 * 8)
+
+ACCEPTANCE = (
+    "plan --target-sequences 128 --seq-len 2048 --micro-batch 1 --model llama2-7b "
+    "--lora-rank 16 --base-bits 4 --checkpointing full --device-memory 24GB"
+)
+
+
+def _plan_json(capsys, command: str) -> dict:
+    assert main([*command.split(), "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_hand_counts_match_the_published_model():
+    assert LINEAR7 == 6_476_005_376
+    assert P7 - LINEAR7 == 2 * V * H + (2 * L + 1) * H  # embedding, head and the RMSNorms
+    assert ADAPTERS16 == 39_976_960
+    assert NF4_PER_PARAM == Fraction(2113, 4096)  # 0.515869140625 bytes
+
+
+def test_qlora_7b_on_a_24gb_card(capsys):
+    d = _plan_json(capsys, ACCEPTANCE)
+    nf4 = -(-LINEAR7 * NF4_PER_PARAM.numerator // NF4_PER_PARAM.denominator)
+    weights = nf4 + 2 * (P7 - LINEAR7) + 2 * ADAPTERS16  # the rest of the base and adapters bf16
+    assert d["accum_steps"] == 128 and d["global_batch_sequences"] == 128
+    assert d["memory"]["fits"] is True
+    assert d["base_bits"] == 4
+    assert d["memory"]["params_gb"] == pytest.approx(weights / 1e9, rel=1e-12)
+    assert d["memory"]["frozen_base_gb"] == pytest.approx(nf4 / 1e9, rel=1e-12)
+    assert d["memory"]["frozen_base_16bit_gb"] == pytest.approx(2 * LINEAR7 / 1e9, rel=1e-12)
+    bf16 = _plan_json(capsys, ACCEPTANCE.replace(" --base-bits 4", ""))
+    assert bf16["memory"]["params_gb"] == pytest.approx(2 * (P7 + ADAPTERS16) / 1e9, rel=1e-12)
+    ratio = d["memory"]["params_gb"] / bf16["memory"]["params_gb"]
+    assert 0.25 < ratio < 0.30  # a quarter, plus the constants and the 16-bit embeddings
+    # Everything but the parameters is the same plan: the adapters train as before.
+    for key in ("grads_gb", "accum_buffer_gb", "optimizer_gb", "activations_gb"):
+        assert d["memory"][key] == bf16["memory"][key]
+    total = bf16["memory"]["total_gb"] - bf16["memory"]["params_gb"] + weights / 1e9
+    assert d["memory"]["total_gb"] == pytest.approx(total, rel=1e-12)
+
+
+def test_qlora_table_says_what_training_it_needs(capsys):
+    assert main(ACCEPTANCE.split()) == 0
+    out = capsys.readouterr().out
+    assert "4-bit frozen base" in out and "3.34 GB" in out and "3.95 GB" in out
+    assert "bitsandbytes on a GPU" in out and "gradaccum train does not provide" in out
+    assert "accumulation steps k" in out and "│       128 │" in out
+
+
+def test_int8_and_16_bit_bases_by_hand(capsys):
+    rows = L * (H + H + H + H + F + F + H)  # output rows: q, k, v, o, gate, up, down
+    int8 = _plan_json(capsys, ACCEPTANCE.replace("--base-bits 4", "--base-bits 8"))
+    weights = LINEAR7 + 4 * rows + 2 * (P7 - LINEAR7) + 2 * ADAPTERS16
+    assert int8["memory"]["params_gb"] == pytest.approx(weights / 1e9, rel=1e-12)
+    b16 = _plan_json(capsys, ACCEPTANCE.replace("--base-bits 4", "--base-bits 16"))
+    default = _plan_json(capsys, ACCEPTANCE.replace(" --base-bits 4", ""))
+    assert b16["memory"]["total_gb"] == default["memory"]["total_gb"]  # bf16: 16 is the default
+    fp32 = _plan_json(
+        capsys, ACCEPTANCE.replace("--base-bits 4", "--base-bits 16 --precision fp32")
+    )
+    weights = 2 * P7 + 4 * ADAPTERS16  # the frozen base halved, the adapters in fp32
+    assert fp32["memory"]["params_gb"] == pytest.approx(weights / 1e9, rel=1e-12)
+
+
+def test_trainable_params_taken_from_the_quantised_weights(capsys):
+    t = 100_000_000
+    command = ACCEPTANCE.replace("--lora-rank 16", f"--trainable-params {t}")
+    d = _plan_json(capsys, command)
+    quantised = LINEAR7 - t  # the larger reading: what trains is not quantised
+    nf4 = -(-quantised * 2113 // 4096)
+    weights = nf4 + 2 * (P7 - quantised)
+    assert d["memory"]["params_gb"] == pytest.approx(weights / 1e9, rel=1e-12)
+    assert d["memory"]["optimizer_gb"] == pytest.approx(12 * t / 1e9)
+
+
+def test_zero3_shards_the_quantised_base_at_its_average_bytes(capsys):
+    d = _plan_json(capsys, ACCEPTANCE + " --gpus 4 --zero 3")
+    held = P7 + ADAPTERS16
+    stored = -(-LINEAR7 * 2113 // 4096) + 2 * (held - LINEAR7)
+    unit = 4 * H * H + 3 * H * F + 2 * H  # a block (larger than the embedding) gathered whole
+    assert unit > V * H
+    rest = -(-(held - unit) // 4)
+    assert d["memory"]["params_gb"] == pytest.approx(stored * (unit + rest) // held / 1e9)
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        ("--base-bits 3 --lora-rank 16", "--base-bits 3: expected one of 4, 8, 16"),
+        ("--base-bits 32 --lora-rank 16", "--base-bits 32: expected one of 4, 8, 16"),
+        ("--base-bits four --lora-rank 16", "--base-bits four"),
+        ("--base-bits 0 --lora-rank 16", "--base-bits 0"),
+        ("--base-bits 4", "--base-bits 4: only a frozen base"),
+    ],
+)
+def test_bad_base_bits_one_line_exit_2(capsys, extra, words):
+    assert main(["plan", "--model", "llama2-7b", *extra.split()]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.count("\n") == 1 and words in captured.err
+
+
+def test_4_bits_need_a_shape(capsys):
+    assert main("plan --params 7B --trainable-params 40M --base-bits 4".split()) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--base-bits 4: needs the model's shape" in err
+    assert main("plan --params 7B --trainable-params 40M --base-bits 16".split()) == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    layers=st.integers(1, 48),
+    heads=st.sampled_from([1, 2, 4, 8, 16]),
+    head_dim=st.sampled_from([16, 64, 128]),
+    vocab=st.integers(256, 200_000),
+    rank=st.integers(1, 64),
+)
+def test_fewer_bits_never_more_memory(layers, heads, head_dim, vocab, rank):
+    """4 bits < 8 bits < 16 bits for the parameters; nothing else in the plan changes."""
+    hidden = heads * head_dim
+    shape = ModelShape("custom", layers, hidden, heads, vocab)  # --layers ...: a 4h MLP
+    plans = {
+        bits: make_plan(
+            PlanInputs(
+                layers=layers, hidden=hidden, heads=heads, vocab=vocab, lora_rank=rank,
+                seq_len=256, micro_batch=1, base_bits=bits,
+            )
+        )
+        for bits in (4, 8, 16)
+    }  # fmt: skip
+    p4, p8, p16 = (plans[b].memory.params_gb for b in (4, 8, 16))
+    assert p4 < p8 < p16
+    linear = layers * sum(i * o for i, o in _linears(shape))
+    assert (p16 - p4) * 1e9 == pytest.approx(2 * linear - linear * 2113 / 4096, abs=1)
+    for key in ("grads_gb", "accum_buffer_gb", "optimizer_gb", "activations_gb"):
+        assert getattr(plans[4].memory, key) == getattr(plans[16].memory, key)
+
+
+def _linears(shape):
+    h, f = shape.hidden, shape.ffn_size
+    return [(h, h)] * 4 + [(h, f), (f, h)]
