@@ -17,6 +17,12 @@ Two figures per contestant:
   gradient's norm.
 Peak memory (its own weights, optimizer state, gradients and activations) where the device
 reports it (not on CPU).
+
+`--task sft` (`sft_data`, `sft_loops`, `sft_measure`, `sft_report`): a ragged instruction set
+with a long tail and one Hugging Face model for gradaccum in each `--packing` mode, the hand
+loop, TRL's SFTTrainer (padded and padding-free) and the Trainer with a padding collator:
+target tokens/s, the share of computed positions that are padding, the update error, and
+peak memory (on the CPU, sampled resident memory).
 """
 
 from __future__ import annotations

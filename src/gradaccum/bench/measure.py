@@ -7,9 +7,11 @@ import contextlib
 import copy
 import io
 import logging
+import os
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -69,6 +71,8 @@ class Entry:
     tokens_per_s: list[float] = field(default_factory=list)
     ratios: list[float] = field(default_factory=list)
     peak_bytes: int | None = None
+    padding: float | None = None
+    """Fraction of the positions it computed that were padding (--task sft)."""
     prepared: Prepared | None = None
     """The contestant's loop, model copy and optimizer while it is being measured."""
 
@@ -95,7 +99,7 @@ def build(cfg: BenchConfig, device: torch.device) -> tuple[torch.nn.Module, obje
 def quiet():
     """Peers print banners, tips, warnings and end-of-training dicts; none of it is ours."""
     names = ("lightning", "lightning.pytorch", "lightning.fabric", "pytorch_lightning")
-    names += ("transformers", "accelerate")
+    names += ("transformers", "accelerate", "trl", "datasets")
     loggers = [logging.getLogger(n) for n in names]
     levels = [lg.level for lg in loggers]
     try:
@@ -113,8 +117,47 @@ def quiet():
             lg.setLevel(level)
 
 
-def timed_run(prepared: Prepared, windows, device: torch.device) -> tuple[float, int | None]:
-    """Seconds over all windows but the first (the warm-up), and peak memory in bytes."""
+def resident_bytes() -> int | None:
+    """The process's resident memory in bytes (Linux's /proc/self/statm; None elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class RSSPeak:
+    """The process's resident memory sampled every `every` seconds on a thread while the
+    block runs: `growth` is the peak above the resident memory at its start, in bytes (what
+    the block added: activations, gradients, its loader; memory the allocator keeps from
+    before is not counted twice). A sampled peak can miss a spike shorter than `every`."""
+
+    def __init__(self, every: float = 0.002):
+        self.every, self.growth = every, 0
+        self._stop = threading.Event()
+
+    def __enter__(self):
+        start = resident_bytes()
+
+        def sample():
+            while start is not None and not self._stop.wait(self.every):
+                self.growth = max(self.growth, (resident_bytes() or start) - start)
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def timed_run(
+    prepared: Prepared, windows, device: torch.device, rss: bool = False
+) -> tuple[float, int | None]:
+    """Seconds over all windows but the first (the warm-up), and peak memory in bytes: the
+    device's own peak, or with `rss` where the device reports none (the CPU) the peak growth
+    of the process's resident memory (`RSSPeak`); both plus the weights and optimizer state."""
     ticks: list[float] = []
 
     def tick():
@@ -124,13 +167,16 @@ def timed_run(prepared: Prepared, windows, device: torch.device) -> tuple[float,
     devices.reset_peak_memory(device)
     before = devices.peak_memory_bytes(device)  # right after a reset: what is allocated now
     start = prepared.steps
-    with quiet():
+    sampler = RSSPeak() if rss and before is None else contextlib.nullcontext()
+    with quiet(), sampler:
         prepared.run(windows, tick)
     taken = prepared.steps - start
     if taken != len(windows) or len(ticks) != len(windows):
         raise RuntimeError(f"took {taken} optimizer steps for {len(windows)} windows")
     peak = devices.peak_memory_bytes(device)
     own = None if peak is None or before is None else peak - before + prepared.resident_bytes()
+    if isinstance(sampler, RSSPeak) and resident_bytes() is not None:
+        own = sampler.growth + prepared.resident_bytes()
     return ticks[-1] - ticks[0], own
 
 
@@ -186,11 +232,11 @@ def run_bench(cfg: BenchConfig, progress=None) -> tuple[list[Entry], dict]:
         setup = Setup(device, cfg.accum_steps, workdir, cfg.seed)
         for entry in entries:
             start = time.perf_counter()
-            _attempt(entry, lambda e=entry: measure_error(e, model0, windows[0], grad, setup))
+            attempt(entry, lambda e=entry: measure_error(e, model0, windows[0], grad, setup))
             if entry.skipped is None:
                 say(_checked_line(entry, time.perf_counter() - start, cfg, entries))
-                _attempt(entry, lambda e=entry: _prepare_timing(e, model0, setup))
-        _rounds(entries, windows, cfg.rounds, device, say)
+                attempt(entry, lambda e=entry: prepare_timing(e, model0, setup))
+        run_rounds(entries, windows, cfg.rounds, device, say)
     finally:
         for entry in entries:
             entry.prepared = None
@@ -235,46 +281,58 @@ def _checked_line(entry: Entry, seconds: float, cfg: BenchConfig, entries: list[
     )
 
 
-def _prepare_timing(entry: Entry, model0, setup: Setup) -> None:
+def prepare_timing(entry: Entry, model0, setup: Setup) -> None:
     _, entry.prepared = prepare(entry.contestant, model0, setup, sgd=False)
 
 
-def _attempt(entry: Entry, fn) -> None:
+def attempt(entry: Entry, fn) -> None:
     """Run `fn`; a peer that fails is listed as skipped with its error, not a crash."""
     if entry.skipped is not None:
         return
     try:
         fn()
     except Exception as err:  # a peer's own error, in whatever type it raises
-        if entry.contestant.name in ("gradaccum", "hand-loop"):
+        if entry.contestant.name.startswith("gradaccum") or entry.contestant.name == "hand-loop":
             raise
         entry.skipped = f"failed: {first_line(err)}"
         entry.prepared = None
 
 
-def _rounds(entries: list[Entry], windows, rounds: int, device, say) -> None:
-    tokens = valid_tokens(windows[1:])
+def run_rounds(
+    entries: list[Entry],
+    windows,
+    rounds: int,
+    device,
+    say,
+    tokens: int | None = None,
+    baseline: str = "hand-loop",
+    rss: bool = False,
+) -> None:
+    """`rounds` timing rounds, the order reversed every other round; each contestant's
+    tokens/s (`tokens` counted over windows[1:], by default their valid labels) and its ratio
+    to `baseline` in the same round."""
+    tokens = valid_tokens(windows[1:]) if tokens is None else tokens
     for r in range(rounds):
         live = [e for e in entries if e.skipped is None]
         order = live if r % 2 == 0 else live[::-1]
         tps = {}
         for entry in order:
             start = time.perf_counter()
-            _attempt(entry, lambda e=entry, t=tps: _one_timing(e, windows, device, tokens, t))
+            attempt(entry, lambda e=entry, t=tps: _one_timing(e, windows, device, tokens, t, rss))
             name = entry.contestant.name
             if name in tps:
                 say(
                     f"round {r + 1}/{rounds}, {name}: {tps[name]:,.0f} tokens/s "
                     f"({time.perf_counter() - start:.1f} s)"
                 )
-        hand = tps.get("hand-loop")
+        base = tps.get(baseline)
         for entry in live:
-            if entry.contestant.name in tps and hand:
-                entry.ratios.append(tps[entry.contestant.name] / hand)
+            if entry.contestant.name in tps and base:
+                entry.ratios.append(tps[entry.contestant.name] / base)
 
 
-def _one_timing(entry: Entry, windows, device, tokens: int, tps: dict) -> None:
-    seconds, peak = timed_run(entry.prepared, windows, device)
+def _one_timing(entry: Entry, windows, device, tokens: int, tps: dict, rss: bool = False) -> None:
+    seconds, peak = timed_run(entry.prepared, windows, device, rss)
     rate = tokens / seconds
     entry.tokens_per_s.append(rate)
     tps[entry.contestant.name] = rate

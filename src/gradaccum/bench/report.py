@@ -38,7 +38,7 @@ def to_json(entries: list[Entry], config: dict) -> dict:
     return {"results": results, "overhead_ratio": ours["ratio"], "config": config}
 
 
-def _fmt(value, spec: str, missing: str = "n/a") -> str:
+def fmt_or(value, spec: str, missing: str = "n/a") -> str:
     return missing if value is None else format(value, spec)
 
 
@@ -60,9 +60,9 @@ def render_table(entries: list[Entry], config: dict) -> str:
             lines.append(f"{label:<36} skipped: {r['skipped']}")
             continue
         lines.append(
-            f"{label:<36} {r['tokens_per_s']:>10,.0f} {_fmt(r['ratio'], '.3f'):>8}"
-            f" {_fmt(r['spread'], '.1%'):>7} {_fmt(r['peak_memory_gb'], '.3f'):>8}"
-            f" {_fmt(r['update_rel_err'], '.1e'):>11}"
+            f"{label:<36} {r['tokens_per_s']:>10,.0f} {fmt_or(r['ratio'], '.3f'):>8}"
+            f" {fmt_or(r['spread'], '.1%'):>7} {fmt_or(r['peak_memory_gb'], '.3f'):>8}"
+            f" {fmt_or(r['update_rel_err'], '.1e'):>11}"
         )
     lines += ["", _k_note(entries, data["results"]), _footer(data)]
     return "\n".join(line for line in lines if line is not None) + "\n"
@@ -88,5 +88,5 @@ def _footer(data: dict) -> str:
     ratio = data["overhead_ratio"]
     return (
         "update err: |update - exact big-batch gradient| / |gradient| after one SGD step at"
-        f" lr 1. overhead ratio (gradaccum / hand loop, tokens/s): {_fmt(ratio, '.3f')}"
+        f" lr 1. overhead ratio (gradaccum / hand loop, tokens/s): {fmt_or(ratio, '.3f')}"
     )

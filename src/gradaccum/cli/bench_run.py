@@ -6,34 +6,71 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..bench import PEERS, BenchConfig, render_table, run_bench, to_json
+from ..bench import PEERS, BenchConfig, render_table, run_bench, sft_report, to_json
+from ..bench.sft_config import SFTBenchConfig
+from ..bench.sft_loops import PEERS as SFT_PEERS
+from ..bench.sft_measure import run_sft_bench
+from ..utils.choices import PACKINGS
 from ..utils.errors import BadInput
-from .bench import COUNTS
+from .bench import COUNTS, SFT_COUNTS
 from .common import print_json
+
+
+def _names(flag: str, text: str, known) -> tuple[str, ...]:
+    """A comma list of names; "none" is the empty tuple."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise BadInput(flag, repr(text), f"name some of {', '.join(known)} or none")
+    return () if names == ["none"] else tuple(names)
+
+
+def sft_config_from_args(args: argparse.Namespace) -> SFTBenchConfig:
+    """The SFTBenchConfig of the flags given (its own defaults for the rest)."""
+    if args.model is not None:
+        raise BadInput(
+            "--model",
+            args.model,
+            "--task sft runs a Hugging Face model: give --model-config or nothing (a tiny Llama)",
+        )
+    values = {d: getattr(args, d) for d in SFT_COUNTS if getattr(args, d) is not None}
+    if args.peers is not None:
+        values["peers"] = _names("--peers", args.peers, SFT_PEERS)
+    if args.packing is not None:
+        values["packings"] = _names("--packing", args.packing, PACKINGS)
+    return SFTBenchConfig(model_config=args.model_config, device=args.device, **values)
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """The BenchConfig of the flags given (its own defaults for the rest)."""
+    for flag, value in (
+        ("--micro-batch-tokens", args.micro_batch_tokens),
+        ("--packing", args.packing),
+    ):
+        if value is not None:
+            raise BadInput(flag, value, "only with --task sft")
     values = {dest: getattr(args, dest) for dest in COUNTS if getattr(args, dest) is not None}
     if args.peers is not None:
-        names = [n.strip() for n in args.peers.split(",") if n.strip()]
-        values["peers"] = () if names == ["none"] else tuple(names)
-        if not names:
-            raise BadInput("--peers", repr(args.peers), f"name some of {', '.join(PEERS)} or none")
+        values["peers"] = _names("--peers", args.peers, PEERS)
     return BenchConfig(
         model=args.model, model_config=args.model_config, device=args.device, **values
     )
 
 
 def run(args: argparse.Namespace) -> int:
-    config = config_from_args(args)
+    sft = args.task == "sft"
+    config = sft_config_from_args(args) if sft else config_from_args(args)
 
     def progress(line: str) -> None:  # stderr, so that --json keeps stdout to the object
         print(line, file=sys.stderr, flush=True)
 
-    entries, summary = run_bench(config, progress=progress)
-    if args.json:
-        print_json(to_json(entries, summary))
+    if sft:
+        entries, summary = run_sft_bench(config, progress=progress)
+        data, table = sft_report.to_json, sft_report.render_table
     else:
-        sys.stdout.write(render_table(entries, summary))
+        entries, summary = run_bench(config, progress=progress)
+        data, table = to_json, render_table
+    if args.json:
+        print_json(data(entries, summary))
+    else:
+        sys.stdout.write(table(entries, summary))
     return 0

@@ -227,6 +227,19 @@ def micro_batch(group, *, default=None, filled_in=False, config=None) -> None:
     count(group, "--micro-batch", help=help, default=default, filled_in=filled_in, config=config)
 
 
+def packing(group, *, help: str = "", parse: Callable | None = None, default=None, config=None):
+    """--packing MODE: how a window's SFT examples become micro-batches (train, verify; a
+    command taking several modes reads a comma list with its own `parse`)."""
+    help = help or "--task sft: none, window or padding-free"
+    _add(group, "--packing", help=help, config=config, parse=parse, default=default, metavar="MODE")
+
+
+def micro_batch_tokens(group, *, help: str = "", config=None) -> None:
+    """--micro-batch-tokens N: positions per micro-batch, padding included (--task sft)."""
+    help = help or "--task sft: positions per micro-batch, padding included"
+    count(group, "--micro-batch-tokens", help=help, config=config)
+
+
 def accum_steps(group, *, default=None, filled_in=False, note: str = "", config=None) -> None:
     """--accum-steps K: micro-batches per optimizer step."""
     kw = {"default": default, "filled_in": filled_in, "metavar": "K", "config": config}
@@ -302,5 +315,7 @@ SHARED = {
     "lora_alpha": lora_alpha,
     "lora_dropout": lora_dropout,
     "lora_targets": lora_targets,
+    "packing": packing,
+    "micro_batch_tokens": micro_batch_tokens,
 }
 """Shared flags by dest, for `gradaccum train`, whose flags come from TrainConfig's fields."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from ..utils.choices import PACKINGS
 from ..utils.errors import BadInput
 from . import flags
 from .common import run_of
@@ -30,10 +31,14 @@ The built-in check: a GPT of the chosen preset on token sequences of random leng
 batches padded to their longest row). --task sft: the window is k x micro-batch SFT examples
 read as `gradaccum train --task sft` reads them (the built-in instruction set, or --data;
 byte tokens, the loss on the completion only), each micro-batch padded to its longest, so
-the micro-batches hold different numbers of targets. Examples:
+the micro-batches hold different numbers of targets. --packing window or padding-free cuts the
+same examples as `train --packing` does (by --micro-batch-tokens, or into padding-free rows of
+--seq-len with attention kept inside each example), checked against every example of the
+window padded into one unpacked batch. Examples:
   gradaccum verify
   gradaccum verify --task sft                # the built-in instruction set
   gradaccum verify --task sft --data sft.jsonl --k 8
+  gradaccum verify --task sft --packing padding-free
   gradaccum verify --model-config path/to/config.json --k 8 --precision bf16
   gradaccum verify --world-size 2          # also DDP and FSDP2 over 2 gloo processes on CPU
   gradaccum verify --precision-study --plot study.png
@@ -64,6 +69,19 @@ def add_parser(sub, name: str) -> None:
     )
     flags.count(data, "--k", metavar="K", help="micro-batches in the window", default=4)
     flags.micro_batch(data, default=4)
+    flags.packing(
+        data,
+        help="--task sft: the window's k x micro-batch examples as micro-batches: none (runs of "
+        "--micro-batch), window (by --micro-batch-tokens) or padding-free (rows of --seq-len, "
+        "attention within each example) (default none)",
+        parse=_one_packing,
+        default="none",
+    )
+    flags.micro_batch_tokens(
+        data,
+        help="--packing window or padding-free: positions per micro-batch, padding included "
+        "(default micro-batch x seq-len)",
+    )
     flags.seq_len(
         data,
         default=64,
@@ -91,6 +109,12 @@ def add_parser(sub, name: str) -> None:
     )
     flags.json_output(p)
     p.set_defaults(run=run_of("verify_run"))
+
+
+def _one_packing(text: str, flag: str) -> str:
+    if text not in PACKINGS:
+        raise BadInput(flag, text, f"choose one of {', '.join(PACKINGS)}")
+    return text
 
 
 def parse_sizes(args) -> dict:
@@ -122,7 +146,20 @@ def _check_task(args) -> None:
         if args.data is not None:
             raise BadInput("--data", args.data, "needs --task sft (the pretraining check "
                            "draws its own token sequences)")  # fmt: skip
+        if args.packing != "none":
+            raise BadInput("--packing", args.packing, "needs --task sft")
+        if args.micro_batch_tokens is not None:
+            raise BadInput("--micro-batch-tokens", args.micro_batch_tokens, "needs --task sft")
         return
+    tokens = args.micro_batch_tokens
+    if tokens is not None and args.packing == "none":
+        raise BadInput("--micro-batch-tokens", tokens, "needs --packing window or padding-free")
+    if tokens is not None and args.packing == "padding-free" and tokens < args.seq_len:
+        raise BadInput(
+            "--micro-batch-tokens",
+            tokens,
+            f"below --seq-len {args.seq_len}: a padding-free row is --seq-len positions",
+        )
     if args.world_size > 1:
         raise BadInput("--world-size", args.world_size, "runs on --task pretrain only")
     if args.precision_study:

@@ -156,7 +156,14 @@ def run(args) -> int:
     if args.task == "sft":
         layout = "shifted" if case.shifted else "unshifted"
         window = sft_window(
-            args.data, sizes["k"], sizes["micro_batch"], sizes["seq_len"], sizes["seed"], layout
+            args.data,
+            sizes["k"],
+            sizes["micro_batch"],
+            sizes["seq_len"],
+            sizes["seed"],
+            layout,
+            args.packing,
+            args.micro_batch_tokens,
         )
         batches = window.micro_batches
     else:
@@ -174,6 +181,7 @@ def run(args) -> int:
         case.loss_fn,
         precision=args.precision,
         count_tokens=case.count_tokens,
+        big_batch=window.big_batch if window is not None else None,
         seed=sizes["seed"],
         progress=progress,
     )
@@ -197,7 +205,7 @@ def run(args) -> int:
 def _window_dict(window: SFTWindow) -> dict:
     """The SFT window's counts for --json (no tensors)."""
     out = asdict(window)
-    del out["micro_batches"]
+    del out["micro_batches"], out["big_batch"]
     return out
 
 

@@ -2,7 +2,10 @@
 
 It is nanoGPT's: token and position embeddings, pre-LayerNorm blocks of causal
 self-attention (`F.scaled_dot_product_attention`) and a GELU MLP, a final LayerNorm and an
-output head tied to the token embedding. Its parameter count is
+output head tied to the token embedding. Given `document_ids` (several documents packed in one
+row, `gradaccum.data.packing`), attention is restricted to each document by a boolean
+block-causal mask, and positions restart at each document, so every document's logits are
+those it would have alone. Its parameter count is
 
     V*C + T*C + L*(12*C*C + 13*C) + 2*C        (V vocab, T seq_len, L layers, C width)
 
@@ -19,6 +22,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+from .document_mask import block_causal_mask, positions_from_documents
 
 # The `model_type` written into config.json for this GPT, so a checkpoint folder says which
 # kind of model it holds (Hugging Face configs carry their own model_type).
@@ -62,12 +67,18 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """mask: None (causal) or a (b, 1, T, T) bool, True where a query may attend a key."""
         b, t, c = x.shape
         q, k, v = self.c_attn(x).split(c, dim=2)
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=mask is None,
         )
         y = y.transpose(1, 2).contiguous().view(b, t, c)
         return self.resid_drop(self.c_proj(y))
@@ -92,13 +103,17 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), mask)
         return x + self.mlp(self.ln_2(x))
 
 
 class GPT(nn.Module):
-    """A decoder-only transformer: `model(input_ids (b, T) long) -> logits (b, T, vocab)`."""
+    """A decoder-only transformer: `model(input_ids (b, T) long) -> logits (b, T, vocab)`,
+    optionally `position_ids` / `document_ids` (b, T) long for packed rows (see `forward`)."""
+
+    reads_document_ids = True
+    """`forward` takes document_ids (`gradaccum.models.loss.packed_inputs` hands them)."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -132,16 +147,34 @@ class GPT(nn.Module):
         """Parameters, the tied output head counted once (it is the token embedding)."""
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits (b, T, vocab) of input_ids (b, T).
+
+        position_ids (b, T): each token's position (default 0 .. T-1, or restarting at each
+        document when document_ids is given); every one must be < seq_len, and without them
+        T must be <= seq_len. document_ids (b, T): each token's document, each document's
+        tokens consecutive; attention then stays within the document (causal, SDPA with a
+        boolean block mask). Without both: causal attention over the whole row, as always."""
         t = input_ids.shape[1]
-        if t > self.config.seq_len:
-            raise ValueError(f"sequence of {t} tokens is longer than seq_len {self.config.seq_len}")
-        pos = torch.arange(t, device=input_ids.device)
-        x = self.drop(self.wte(input_ids) + self.wpe(pos))
+        if position_ids is None and document_ids is not None:
+            position_ids = positions_from_documents(document_ids)
+        if position_ids is None:
+            if t > self.config.seq_len:
+                raise ValueError(
+                    f"sequence of {t} tokens is longer than seq_len {self.config.seq_len}"
+                )
+            position_ids = torch.arange(t, device=input_ids.device)
+        mask = None if document_ids is None else block_causal_mask(document_ids)
+        x = self.drop(self.wte(input_ids) + self.wpe(position_ids))
         for block in self.blocks:
             if self.activation_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(block, x, use_reentrant=False)
+                x = checkpoint(block, x, mask, use_reentrant=False)
             else:
-                x = block(x)
+                x = block(x, mask)
         # The head is the token embedding itself (tied), so there is no second V x C matrix.
         return F.linear(self.ln_f(x), self.wte.weight)

@@ -3,9 +3,10 @@
 One core, `token_sum_loss(logits, labels, shift, ignore_index)`; the entry points hand it a
 model's logits:
 
-- `causal_lm_loss(model, batch)`: `model(batch["input_ids"])`, labels already aligned with the
-  logits (the label at position t is the token after input t), as the built-in GPT, the
-  trainer, fit, bench and the references take them;
+- `causal_lm_loss(model, batch)`: `model(batch["input_ids"])` (with the batch's
+  "position_ids" / "document_ids" as keywords when it has them: packed rows), labels already
+  aligned with the logits (the label at position t is the token after input t), as the
+  built-in GPT, the trainer, fit, bench and the references take them;
 - `gradaccum.hf.loss_fn(model, batch)`: every key but "labels" as keywords, labels as Hugging
   Face keeps them (unshifted: position t predicts label t + 1), shifted here.
 
@@ -70,9 +71,49 @@ def logits_of(out) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.logits
 
 
+PACKED_KEYS = ("position_ids", "document_ids")
+"""Keys of a packed batch (`gradaccum.data.packing.collate_packed`) that the model reads."""
+
+
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The module under DDP (`.module`) and torch.compile (`._orig_mod`) wrappers."""
+    while True:
+        inner = getattr(model, "module", None)
+        if not isinstance(inner, torch.nn.Module):
+            inner = getattr(model, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module):
+            return model
+        model = inner
+
+
+def packed_inputs(model: torch.nn.Module, batch: Mapping) -> dict:
+    """The keywords a packed batch adds to `model(input_ids, ...)`; {} for an ordinary batch.
+
+    A model whose class sets `reads_document_ids = True` (the built-in GPT) gets both
+    PACKED_KEYS. Any other gets "position_ids" alone; a Hugging Face model (its config has
+    `use_cache`) also `use_cache=False`: transformers builds the per-document mask from
+    restarting position ids only without a cache, and a model left to its default creates one
+    (each document would then attend to the documents before it, silently)."""
+    if not any(key in batch for key in PACKED_KEYS):
+        return {}
+    inner = _unwrapped(model)
+    if getattr(inner, "reads_document_ids", False):
+        return {key: batch[key] for key in PACKED_KEYS if key in batch}
+    if "position_ids" not in batch:
+        raise ValueError(
+            f"{type(inner).__name__} does not read document_ids; a packed batch for it needs "
+            "position_ids restarting at each document"
+        )
+    out = {"position_ids": batch["position_ids"]}
+    if hasattr(getattr(inner, "config", None), "use_cache"):
+        out["use_cache"] = False
+    return out
+
+
 def causal_lm_loss(model: torch.nn.Module, batch: Mapping, ignore_index: int = IGNORE_INDEX):
-    """`token_sum_loss` of `model(batch["input_ids"])` against `batch["labels"]`, both (b, T)
-    long, labels already aligned with the inputs' next tokens. Works for the built-in GPT and
-    for Hugging Face causal LMs; the Accumulator's loss_fn contract."""
-    logits = logits_of(model(batch["input_ids"]))
+    """`token_sum_loss` of `model(batch["input_ids"], **packed_inputs(model, batch))` against
+    `batch["labels"]`, all (b, T) long, labels already aligned with the inputs' next tokens
+    (an ordinary batch: `model(input_ids)` as always). Works for the built-in GPT and for
+    Hugging Face causal LMs; the Accumulator's loss_fn contract."""
+    logits = logits_of(model(batch["input_ids"], **packed_inputs(model, batch)))
     return token_sum_loss(logits, batch["labels"], shift=False, ignore_index=ignore_index)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 from ..plan.batch_schedule import LR_RULES, BatchSchedule, parse_batch_schedule
-from ..utils.choices import BUILTIN_MODELS, DEFAULT_MODEL, PRECISIONS, TASKS
+from ..utils.choices import BUILTIN_MODELS, DEFAULT_MODEL, PACKINGS, PRECISIONS, TASKS
 from ..utils.errors import BadInput, flag_name
 from .flag_values import EXCLUSIVE, Flag, merge_settings, read_value, to_toml
 from .flag_values import flag_field as _flag
@@ -208,6 +208,29 @@ class TrainConfig:
         False, "--task sft: the loss over the prompt tokens too, not only the completion", "bool"
     )
     """--task sft: every token a target (the prompt too), not only the completion's."""
+    packing: str | None = _flag(
+        None,
+        "--task sft: a window's examples as micro-batches: none (runs of --micro-batch), "
+        "window (by --micro-batch-tokens, each padded to its longest) or padding-free (rows "
+        "of --seq-len, attention within each example); the update is the same (default "
+        "padding-free; window for a Hugging Face model without packed-position masks)",
+        "choice",
+        choices=PACKINGS,
+    )
+    """--task sft: how each rank's share of a window becomes micro-batches
+    (`gradaccum.data.sft_packed`); the step's update does not change, only its cost. None
+    (not given): padding-free where the model keeps packed examples apart (the built-in
+    GPT, Hugging Face models whose attention honours packed position ids), else window
+    (`sft.packing_of`)."""
+    micro_batch_tokens: int | None = _flag(
+        None,
+        "--task sft, --packing window or padding-free: positions per micro-batch, padding "
+        "included (default micro-batch x seq-len)",
+        least=1,
+    )
+    """Tokens (positions, padding included) per micro-batch and rank of --packing window or
+    padding-free (which takes rows of --seq-len: at least one row). None (not given):
+    --micro-batch x --seq-len, the memory of --packing none's widest micro-batch."""
     model: str | None = _flag(
         None,
         f"preset: {', '.join(BUILTIN_MODELS)} (default {DEFAULT_MODEL})",

@@ -9,9 +9,11 @@ both tasks:
   tokens (`gradaccum.data.sft`), and a held-out split (`split_heldout`);
 - the windows (`SFTStream`): --examples-per-step examples, or whole examples up to
   --tokens-per-step counted target tokens, per optimizer step, over all ranks, dealt to the
-  ranks and cut into micro-batches padded to their longest (`gradaccum.data.sft_batches`).
-  The engine's N is the window's target tokens over every micro-batch and rank, so the step
-  does not depend on the micro-batch or the number of ranks;
+  ranks and cut into micro-batches as --packing says (`packing_of`): runs of --micro-batch
+  padded to their longest (`gradaccum.data.sft_batches`), or by --micro-batch-tokens, padded
+  per micro-batch or packed into padding-free rows (`gradaccum.data.sft_packed`). The
+  engine's N is the window's target tokens over every micro-batch and rank, so the step does
+  not depend on the packing, the micro-batch or the number of ranks;
 - the plan (`plan_config`): the window's examples as sequences of --seq-len (the memory
   bound: no micro-batch is wider), k = ceil(examples per rank / micro-batch);
 - the evaluation (`evaluate`): the held-out loss over completion tokens, and on the built-in
@@ -24,14 +26,17 @@ import hashlib
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass, replace
 
 import torch
 
+from ..data.packing import bucket_lengths
 from ..data.sft import SFTData, load_sft, tokenize_rows
 from ..data.sft_batches import SFTBatches, split_heldout
 from ..data.sft_eval import exact_match, heldout_loss
 from ..data.sft_examples import Example
+from ..data.sft_packed import Packing, packed_window
 from ..data.sft_rows import rows_from_dicts
 from ..data.sft_tasks import SOURCE, builtin_rows, check
 from ..data.tokenizers import ByteTokenizer, load_tokenizer
@@ -148,10 +153,66 @@ def fingerprint(train: list[Example], val: list[Example]) -> str:
     return digest.hexdigest()
 
 
+def builtin_gpt(config: TrainConfig) -> bool:
+    """Whether the run trains the built-in GPT (a preset, or this project's checkpoint of one)."""
+    if config.init_from is not None:
+        return _model_type(config.init_from) == GPT_MODEL_TYPE
+    return config.model_config is None
+
+
+def hf_masks_packed(path: str) -> bool:
+    """Whether the Hugging Face causal LM of `path` (a folder or its config.json) keeps the
+    examples of a padding-free row apart: its attention mask comes from transformers' masking
+    utilities, which read position ids restarting at 0 as packed sequences (sdpa, eager and
+    flex; flash attention takes them as its varlen boundaries) when no attention mask is given."""
+    try:
+        from transformers import CONFIG_MAPPING, masking_utils
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    except ImportError:
+        return False
+    if not hasattr(masking_utils, "find_packed_sequence_indices"):
+        return False  # older transformers: restarting position ids do not mask
+    file = path if os.path.isfile(path) else os.path.join(path, "config.json")
+    try:
+        with open(file, encoding="utf-8") as f:
+            model_type = json.load(f)["model_type"]
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[CONFIG_MAPPING[model_type]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False  # build_model says what is wrong with the folder
+    module = sys.modules.get(cls.__module__)
+    return getattr(module, "create_causal_mask", None) is masking_utils.create_causal_mask
+
+
+def packing_of(config: TrainConfig) -> str:
+    """--packing, or where not given: padding-free when the run's model keeps packed examples
+    apart (the built-in GPT; a Hugging Face model, `hf_masks_packed`), else window."""
+    if config.packing is not None:
+        return config.packing
+    if builtin_gpt(config) or hf_masks_packed(config.init_from or config.model_config):
+        return "padding-free"
+    return "window"
+
+
+def check_packing(config: TrainConfig) -> str:
+    """The run's packing (`packing_of`); BadInput for a budget it cannot take."""
+    mode, budget = packing_of(config), config.micro_batch_tokens
+    if mode == "padding-free" and budget is not None and budget < config.seq_len:
+        given = "" if config.packing else " (the default for this model)"
+        raise BadInput(
+            "--micro-batch-tokens",
+            budget,
+            f"below --seq-len {config.seq_len}: a padding-free row{given} is --seq-len "
+            f"positions, the longest example's; give at least {config.seq_len} or --packing "
+            "window",
+        )
+    return mode
+
+
 class SFTStream:
-    """The run's windows (`SFTBatches`) as the loop, its out-of-memory recovery and its
-    checkpoint read them: `next` a window, `position` an opaque place in the data order to
-    rewind to, `set_micro_batch`, `state_dict` / `load_state_dict`."""
+    """The run's windows (`SFTBatches`, cut per --packing by `sft_packed.packed_window`) as
+    the loop, its out-of-memory recovery and its checkpoint read them: `next` a window,
+    `position` an opaque place in the data order to rewind to, `set_micro_batch`,
+    `state_dict` / `load_state_dict`."""
 
     def __init__(
         self,
@@ -172,10 +233,30 @@ class SFTStream:
             rank=rank,
             world_size=world_size,
         )
+        self.mode, self.seq_len = check_packing(config), config.seq_len
+        budget = config.micro_batch_tokens or micro_batch * config.seq_len
+        # Positions per example of the micro-batch: out-of-memory recovery shrinks the
+        # micro-batch, and the budget with it.
+        self._per_example = budget / micro_batch
+        # --compile: few shapes (length buckets, full micro-batches of rows); otherwise the
+        # least padding.
+        self._compile = config.compile
+        self._buckets = tuple(bucket_lengths(config.seq_len)) if config.compile else None
+        self._document_ids = builtin_gpt(config)
 
     @property
     def micro_batch(self) -> int:
         return self.inner.micro_batch
+
+    @property
+    def packing(self) -> Packing | None:
+        """How the next windows are cut; None for --packing none (`SFTBatches`' own cut)."""
+        if self.mode == "none":
+            return None
+        budget = max(1, round(self.micro_batch * self._per_example))
+        return Packing(
+            self.mode, budget, self.seq_len, self._buckets, self._compile, self._document_ids
+        )
 
     @property
     def position(self) -> tuple[int, int]:
@@ -187,15 +268,16 @@ class SFTStream:
         self.inner.position, self.inner.windows = value
 
     def set_micro_batch(self, micro_batch: int) -> None:
-        """Cut the next windows into micro-batches of `micro_batch` examples (the windows
-        themselves do not change)."""
+        """Cut the next windows into micro-batches of `micro_batch` examples, or its share of
+        the token budget (the windows themselves do not change)."""
         self.inner.micro_batch = micro_batch
 
     def __iter__(self):
         return self
 
     def __next__(self):
-        return next(self.inner)
+        packing = self.packing
+        return next(self.inner) if packing is None else packed_window(self.inner, packing)
 
     def state_dict(self) -> dict:
         return self.inner.state_dict()
@@ -249,23 +331,44 @@ def examples_per_step(config: TrainConfig, examples: list[Example]) -> float:
     return taken / PLAN_WINDOWS
 
 
+def window_tokens(config: TrainConfig, examples: list[Example]) -> float:
+    """Tokens (padding not counted) of the mean window over the first PLAN_WINDOWS."""
+    ahead, tokens = _ahead(config, examples), 0
+    for _ in range(PLAN_WINDOWS):
+        indices = ahead.next_indices()
+        ahead.position += len(indices)
+        tokens += int(ahead.lengths[indices].sum())
+    return tokens / PLAN_WINDOWS
+
+
 def plan_config(
     config: TrainConfig,
     examples: list[Example],
     world_size: int,
     micro_batch: int | str | None = None,
 ) -> TrainConfig:
-    """The config `resolve_plan` plans an SFT run with: each window's examples as sequences
-    of --seq-len tokens (no micro-batch is wider, so the memory estimate bounds the run's), k
-    = ceil(examples per rank / micro-batch), the run's steps."""
+    """The config `resolve_plan` plans an SFT run with, in sequences of --seq-len tokens (no
+    micro-batch is wider, so the memory estimate bounds the run's): --packing none, each
+    window's examples as sequences, k = ceil(examples per rank / micro-batch); window and
+    padding-free, a micro-batch of --micro-batch-tokens // --seq-len sequences (--micro-batch
+    without it) and k = ceil(the mean window's tokens per rank / the budget). And the run's
+    steps."""
     micro = config.micro_batch if micro_batch is None else micro_batch
-    per_step = max(math.ceil(examples_per_step(config, examples)), world_size)
-    if micro != "auto":
-        per_step = math.ceil(per_step / (micro * world_size)) * micro * world_size
+    if check_packing(config) == "none":
+        per_step = max(math.ceil(examples_per_step(config, examples)), world_size)
+        if micro != "auto":
+            per_step = math.ceil(per_step / (micro * world_size)) * micro * world_size
+        sequences = per_step
+    else:
+        if config.micro_batch_tokens is not None:
+            micro = max(1, config.micro_batch_tokens // config.seq_len)
+        budget = config.micro_batch_tokens or micro * config.seq_len
+        k = max(1, math.ceil(window_tokens(config, examples) / (world_size * budget)))
+        sequences = k * micro * world_size
     return replace(
         config,
         examples_per_step=None,
-        tokens_per_step=per_step * config.seq_len,
+        tokens_per_step=sequences * config.seq_len,
         micro_batch=micro,
         max_steps=total_steps(config, examples),
         max_tokens=None,
@@ -291,6 +394,16 @@ def resume_plan_config(config: TrainConfig, ckpt, examples: list[Example], world
     return plan_config(config, examples, world_size, micro)
 
 
+CUTS = {
+    "none": "micro-batches of {micro} examples padded to their longest",
+    "window": "micro-batches of up to {budget:,} positions (padding included), longest "
+    "first, each padded to its longest{buckets}",
+    "padding-free": "micro-batches of up to {rows} padding-free row(s) of {seq} positions, "
+    "attention kept within each example{full}",
+}
+"""--packing's cut of a window, in the words of the plan line."""
+
+
 def plan_lines(
     config: TrainConfig, parts: SFTParts, micro_batch: int, world_size: int
 ) -> list[str]:
@@ -309,11 +422,23 @@ def plan_lines(
         else f"whole examples up to {config.tokens_per_step:,} counted tokens per step "
         f"(about {per_step:.1f} examples)"
     )
+    mode = packing_of(config)
+    budget = config.micro_batch_tokens or micro_batch * config.seq_len
+    cut = CUTS[mode].format(
+        micro=micro_batch,
+        budget=budget,
+        rows=max(1, budget // config.seq_len),
+        seq=config.seq_len,
+        buckets=" (rounded up to a length bucket: --compile)" if config.compile else "",
+        full=" (every one full, one shape: --compile)" if config.compile else "",
+    )
+    given = "" if config.packing else " (the default for this model)"
+    k = "ceil(examples per rank / micro-batch)" if mode == "none" else "from the budget"
     return [
-        f"sft    {batch}, micro-batch {micro_batch} x {world_size} rank(s), k = ceil(examples "
-        f"per rank / micro-batch); about {sum(targets) / len(targets):,.0f} counted ({what}) "
-        "tokens per step over the first windows; micro-batches padded to their longest "
-        "(the table's tokens are the --seq-len bound)"
+        f"sft    {batch}, micro-batch {micro_batch} x {world_size} rank(s), k {k}; about "
+        f"{sum(targets) / len(targets):,.0f} counted ({what}) tokens per step over the first "
+        "windows (the table's tokens are the --seq-len bound)",
+        f"       --packing {mode}{given}: {cut}; the same update in every mode",
     ]
 
 

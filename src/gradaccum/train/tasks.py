@@ -36,6 +36,8 @@ def check_task(config) -> None:
             "skip_bad_rows": False,
             "drop_long": False,
             "train_on_prompt": False,
+            "packing": None,
+            "micro_batch_tokens": None,
         }
         for name, unset in sft_only.items():
             if getattr(config, name) != unset:
@@ -55,3 +57,10 @@ def check_task(config) -> None:
     for name, text in why.items():
         if getattr(config, name) not in (None, False):
             raise BadInput(flag_name(name), getattr(config, name), text)
+    if config.packing == "none" and config.micro_batch_tokens is not None:
+        raise BadInput(
+            "--micro-batch-tokens",
+            config.micro_batch_tokens,
+            "needs --packing window or padding-free (--packing none cuts runs of "
+            "--micro-batch examples)",
+        )

@@ -20,6 +20,12 @@ TASKS = ("pretrain", "sft")
 """--task of train and verify: pretraining on a token stream, or supervised fine-tuning on
 examples."""
 
+PACKINGS = ("none", "window", "padding-free")
+"""--packing: how a window's examples become micro-batches (`gradaccum.data.packing`): runs of
+--micro-batch examples padded to their longest; micro-batches by a token budget
+(--micro-batch-tokens), each padded to its own longest; or rows of concatenated examples with
+attention kept within each example (document masking). All three give the same gradient."""
+
 DEFAULT_MODEL = "tiny"
 """The built-in GPT preset used when no model is named."""
 

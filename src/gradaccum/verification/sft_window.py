@@ -8,6 +8,13 @@ EOS only), and `gradaccum.data.sft_batches.SFTBatches` takes the first window of
 k x micro_batch examples of its seeded order, sorted longest first and cut into k micro-batches
 each padded to its own longest. Their target counts differ (a long answer next to a short
 one), which is where dividing each micro-batch's mean loss by k goes wrong.
+
+`packing` "window" or "padding-free" cuts the same examples as `train --packing` does
+(`gradaccum.data.sft_packed`, one rank): by a budget of `micro_batch_tokens` positions
+(default micro-batch x seq-len), each micro-batch padded to its longest, or packed into rows of
+seq-len positions with attention kept inside each example; the number of micro-batches then
+follows from the budget. `big_batch` is every example of the window padded into one batch,
+unpacked: the reference the check compares the packed window with.
 """
 
 from __future__ import annotations
@@ -15,7 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..data.sft import tokenize_rows
-from ..data.sft_batches import SFTBatches
+from ..data.sft_batches import SFTBatches, collate
+from ..data.sft_packed import Packing, packed_window
 from ..data.sft_rows import read_rows, rows_from_dicts
 from ..data.sft_tasks import SOURCE, builtin_rows
 from ..data.tokenizers import ByteTokenizer
@@ -48,13 +56,19 @@ class SFTWindow:
     """Tokens of the window's examples, padding not counted."""
     truncated: int
     """Examples of the data cut to --seq-len."""
+    packing: str = "none"
+    """How the examples were cut into micro-batches (--packing)."""
+    big_batch: dict | None = None
+    """Every example of the window in one batch, padded, unpacked (None: --packing none,
+    where the micro-batches stacked are that batch)."""
 
     def describe(self) -> str:
         """The window in one line, for the verify table."""
         t = self.targets
+        cut = "padded to" if self.packing != "padding-free" else "of padding-free rows of"
         return (
-            f"{self.examples} SFT examples from {self.source} ({self.data_format}), k = "
-            f"{len(t)} micro-batches padded to {_some(self.widths)} tokens holding "
+            f"{self.examples} SFT examples from {self.source} ({self.data_format}), --packing "
+            f"{self.packing}, k = {len(t)} micro-batches {cut} {_some(self.widths)} tokens holding "
             f"{_some(t)} targets ({sum(t):,} target tokens of {self.tokens:,})"
         )
 
@@ -67,11 +81,19 @@ def _some(values: list[int]) -> str:
 
 
 def sft_window(
-    data: str | None, k: int, micro_batch: int, seq_len: int, seed: int, layout: str
+    data: str | None,
+    k: int,
+    micro_batch: int,
+    seq_len: int,
+    seed: int,
+    layout: str,
+    packing: str = "none",
+    micro_batch_tokens: int | None = None,
 ) -> SFTWindow:
     """The first window of k x micro_batch examples (module docstring). data: --data, or
     None for the built-in set. layout: "shifted" for the built-in GPT's loss, "unshifted" for a
-    Hugging Face model's. Raises BadInput for data that cannot be read or is too small."""
+    Hugging Face model's (whose padding-free rows carry position ids only). Raises BadInput for
+    data that cannot be read or is too small."""
     tok = ByteTokenizer()
     wanted = k * micro_batch
     if data is None:
@@ -86,16 +108,22 @@ def sft_window(
             f"{len(sft.examples)} examples, fewer than the window's --k {k} x --micro-batch "
             f"{micro_batch} = {wanted}",
         )
-    window = next(
-        SFTBatches(
-            sft.examples,
-            micro_batch=micro_batch,
-            examples_per_step=wanted,
-            pad_id=tok.pad_id,
-            layout=layout,
-            seed=seed,
-        )
+    order = SFTBatches(
+        sft.examples,
+        micro_batch=micro_batch,
+        examples_per_step=wanted,
+        pad_id=tok.pad_id,
+        layout=layout,
+        seed=seed,
     )
+    big = None
+    if packing == "none":
+        window = next(order)
+    else:
+        budget = micro_batch_tokens or micro_batch * seq_len
+        cut = Packing(packing, budget, seq_len, document_ids=layout == "shifted")
+        window = packed_window(order, cut)
+        big = collate([sft.examples[i] for i in window.indices], tok.pad_id, layout)
     batches = window.micro_batches
     return SFTWindow(
         micro_batches=batches,
@@ -106,4 +134,6 @@ def sft_window(
         widths=[int(b["input_ids"].shape[1]) for b in batches],
         tokens=window.tokens,
         truncated=sft.truncated,
+        packing=packing,
+        big_batch=big,
     )

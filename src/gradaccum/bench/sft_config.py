@@ -1,0 +1,78 @@
+"""What one `gradaccum bench --task sft` run measures, checked before anything is built."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from ..utils.choices import PACKINGS
+from ..utils.errors import BadInput
+from .config import _check_int
+from .sft_loops import PEERS
+
+
+@dataclass
+class SFTBenchConfig:
+    """One Hugging Face causal LM, one ragged instruction set, the same examples per step."""
+
+    model_config: str | None = None
+    """A Hugging Face causal-LM config.json (or its folder), random init; None: a tiny
+    Llama (4 layers of width 128, 4 heads) built here."""
+    micro_batch: int = 8
+    """Examples per micro-batch where a contestant cuts by examples."""
+    accum_steps: int = 8
+    """Micro-batches per optimizer step (k): each step is micro_batch x k examples."""
+    seq_len: int = 512
+    """Longest example, in tokens (longer ones are cut), and the padding-free row length."""
+    micro_batch_tokens: int | None = None
+    """Positions per micro-batch of gradaccum's window and padding-free modes, padding
+    included; None: seq_len (one padding-free row per micro-batch)."""
+    rounds: int = 5
+    """Timing rounds; the contestants' order alternates from one round to the next."""
+    windows: int = 3
+    """Optimizer steps timed per contestant per round (after one untimed step)."""
+    device: str = "auto"
+    seed: int = 0
+    """Seed of the initial weights and of the data."""
+    peers: tuple[str, ...] = field(default=PEERS)
+    packings: tuple[str, ...] = field(default=PACKINGS)
+    """gradaccum's --packing modes to run."""
+
+    def __post_init__(self):
+        for name, least in (
+            ("micro_batch", 1),
+            ("accum_steps", 1),
+            ("seq_len", 2),
+            ("rounds", 1),
+            ("windows", 1),
+            ("seed", 0),
+        ):
+            _check_int(name, getattr(self, name), least)
+        if self.micro_batch_tokens is None:
+            self.micro_batch_tokens = self.seq_len
+        _check_int("micro_batch_tokens", self.micro_batch_tokens, self.seq_len)
+        if self.model_config is not None:
+            path = self.model_config
+            target = os.path.join(path, "config.json") if os.path.isdir(path) else path
+            if not os.path.isfile(target):
+                raise BadInput("--model-config", path, "no such file")
+        _check_names("--peers", self.peers, PEERS)
+        _check_names("--packing", self.packings, PACKINGS)
+        if not isinstance(self.device, str) or not self.device.strip():
+            raise BadInput("--device", repr(self.device), "expected a device name")
+
+    @property
+    def model_name(self) -> str:
+        return "tiny Llama" if self.model_config is None else f"hf:{self.model_config}"
+
+    @property
+    def examples_per_step(self) -> int:
+        return self.micro_batch * self.accum_steps
+
+
+def _check_names(flag: str, names, known) -> None:
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise BadInput(
+            flag, ",".join(names), f"unknown {unknown[0]!r}; choose from {', '.join(known)}"
+        )
