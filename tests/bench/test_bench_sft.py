@@ -129,9 +129,27 @@ def test_padding_shares_against_a_hand_count(ran):
     assert by_name["gradaccum-none"]["padding"] == pytest.approx(longest_first, abs=1e-12)
     if "trl-padding-free" in by_name:
         assert by_name["trl-padding-free"]["padding"] == 0.0
-    # one row of seq_len per micro-batch: at least the window's tokens, whole rows
-    rows = (real / (1 - by_name["gradaccum-padding-free"]["padding"])) / cfg.seq_len
-    assert rows == pytest.approx(round(rows)) and round(rows) >= real / cfg.seq_len
+    positions = bucketed_positions([e.length for e in window], cfg.seq_len)
+    padding_free = by_name["gradaccum-padding-free"]["padding"]
+    assert padding_free == pytest.approx(1 - real / positions, abs=1e-12)
+    assert padding_free < longest_first
+
+
+def bucketed_positions(lengths, seq_len: int) -> int:
+    """Positions of bucketed padding-free rows, counted here: first-fit decreasing, a row as
+    wide as the smallest of seq_len, seq_len / 2, / 4, / 8 (rounded up) that fits the example
+    opening it, each computed at its full width (its opening example is wider than the next
+    bucket down), however the rows are grouped into micro-batches."""
+    buckets = sorted({-(-seq_len // 2**j) for j in range(4)})
+    caps, room = [], []
+    for n in sorted(lengths, reverse=True):
+        fit = [r for r, left in enumerate(room) if n <= left]
+        if fit:
+            room[fit[0]] -= n
+        else:
+            caps.append(min(b for b in buckets if b >= n))
+            room.append(caps[-1] - n)
+    return sum(caps)
 
 
 def test_json_and_table_state_the_lengths_and_every_figure(ran):

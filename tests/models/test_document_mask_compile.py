@@ -2,7 +2,8 @@
 (different counts and lengths, so different numbers of rows) are compiled at most twice, read
 from torch's own counter of captured graphs. Backend "eager": Dynamo captures the graphs (what
 recompiles) without inductor's code generation, too slow for a CPU test; the count of
-captured graphs is the same for any backend."""
+captured graphs is the same for any backend. Window micro-batches with length buckets, filled
+to budget // width rows, compile at most once per bucket."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from gradaccum import Accumulator
-from gradaccum.data.packing import micro_batches
+from gradaccum.data.packing import bucket_lengths, micro_batches
 from gradaccum.data.sft import tokenize_rows
 from gradaccum.data.sft_batches import SFTBatches
 from gradaccum.data.sft_rows import rows_from_dicts
@@ -56,6 +57,18 @@ def test_padding_free_rows_compile_at_most_twice_over_20_ragged_windows():
     )
     assert runs >= 40 and shapes == {(2, SEQ_LEN)}  # the premise: many micro-batches, one shape
     assert 1 <= graphs <= 2
+
+
+def test_window_buckets_compile_at_most_once_per_bucket_over_20_ragged_windows():
+    """Window micro-batches rounded up to a bucket width and filled to budget // width rows
+    by empty rows: one shape per bucket, whatever the windows' lengths and counts."""
+    buckets = bucket_lengths(SEQ_LEN)
+    graphs, runs, shapes = graphs_compiled(
+        "window", 20, micro_batch_tokens=2 * SEQ_LEN, buckets=buckets
+    )
+    assert runs >= 40 and len(shapes) >= 2  # the premise: many micro-batches, several widths
+    assert shapes <= {(2 * SEQ_LEN // w, w) for w in buckets}
+    assert 1 <= graphs <= len(buckets) + 1
 
 
 def test_the_counter_counts_recompiles_of_ragged_micro_batches():

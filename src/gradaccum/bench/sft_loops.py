@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import hf
-from ..data.packing import micro_batches
+from ..data.packing import bucket_lengths, micro_batches
 from ..data.sft_batches import collate
 from ..data.sft_examples import Example
 from ..engine.accumulator import Accumulator
@@ -56,12 +56,16 @@ class SFTSetup:
 
 
 def gradaccum_run(packing: str, model, optimizer, setup: SFTSetup) -> Run:
+    """`micro_batches` in mode `packing`; padding-free with bucketed rows (rows as wide as
+    the bucket of the example opening them: the train command's cut without --compile)."""
     acc = Accumulator(model, optimizer, count_tokens=hf.count_tokens)
     sizes = {
         "micro_batch": setup.micro_batch,
         "micro_batch_tokens": setup.micro_batch_tokens,
         "row_tokens": setup.row_tokens,
     }
+    if packing == "padding-free":
+        sizes["buckets"] = bucket_lengths(setup.row_tokens)
 
     def run(windows, tick):
         for window in windows:

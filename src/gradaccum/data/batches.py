@@ -1,6 +1,8 @@
 """Sequences of a `TokenDataset` in micro-batches: `Batches`, the endless deterministic
 training stream split over ranks and resumable under another batch layout, and
-`eval_batches`, the same held-out sequences every time."""
+`eval_batches`, the same held-out sequences every time. Given an end-of-document id
+(`--document-mask`), each micro-batch also carries the position_ids and document_ids of
+`packing.document_positions`, so attention stays within each document of a row."""
 
 from __future__ import annotations
 
@@ -8,13 +10,21 @@ import numpy as np
 import torch
 
 from ..utils.errors import BadInput
+from .packing import document_positions
 from .tokens import TokenDataset
 
 
-def as_batch(rows: torch.Tensor) -> dict:
+def as_batch(rows: torch.Tensor, eod_id: int | None = None) -> dict:
     """Sequences of T + 1 tokens as a batch: inputs the first T, labels the last T (already
-    shifted: label t is the token after input t)."""
-    return {"input_ids": rows[:, :-1].contiguous(), "labels": rows[:, 1:].contiguous()}
+    shifted: label t is the token after input t). With `eod_id`, also "position_ids" and
+    "document_ids" (b, T) long: positions restart and attention is cut at each
+    end-of-document input (`document_positions`); every label is kept."""
+    batch = {"input_ids": rows[:, :-1].contiguous(), "labels": rows[:, 1:].contiguous()}
+    if eod_id is not None:
+        batch["position_ids"], batch["document_ids"] = document_positions(
+            batch["input_ids"], eod_id
+        )
+    return batch
 
 
 class Batches:
@@ -27,7 +37,7 @@ class Batches:
     position p it takes stream[(p * world_size + rank) * micro_batch + i], i < micro_batch.
     So b x k on one process and b x k / W on each of W ranks read the same windows, epoch
     boundaries included (a window may straddle two epochs). Yields {"input_ids": (b, T) long,
-    "labels": (b, T) long}.
+    "labels": (b, T) long}, with `eod_id` also "position_ids" and "document_ids" (`as_batch`).
     """
 
     def __init__(
@@ -38,6 +48,7 @@ class Batches:
         rank: int = 0,
         world_size: int = 1,
         start: int = 0,
+        eod_id: int | None = None,
     ):
         if micro_batch < 1:
             raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
@@ -46,7 +57,7 @@ class Batches:
         if len(ds) == 0:
             raise BadInput("--data: the training split holds no sequence")
         self.ds, self.micro_batch, self.seed = ds, micro_batch, seed
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.eod_id = rank, world_size, eod_id
         self.position = start
         """Micro-batches this rank has consumed since the start (over all epochs)."""
         self._perms: dict[int, np.ndarray] = {}
@@ -73,7 +84,7 @@ class Batches:
         n, first = len(self.ds), self._first(self.position)
         ids = [int(self._perm(g // n)[g % n]) for g in range(first, first + self.micro_batch)]
         self.position += 1
-        return as_batch(self.ds.batch(ids))
+        return as_batch(self.ds.batch(ids), self.eod_id)
 
     def set_micro_batch(self, micro_batch: int) -> None:
         """Read on in micro-batches of `micro_batch` sequences from the same place in the
@@ -125,10 +136,12 @@ def eval_batches(
     max_sequences: int | None = None,
     rank: int = 0,
     world_size: int = 1,
+    eod_id: int | None = None,
 ):
     """The first `max_sequences` sequences of `ds` in order, in micro-batches, rank r taking
-    every world_size-th micro-batch: the same evaluation set every time."""
+    every world_size-th micro-batch: the same evaluation set every time. `eod_id`: document
+    masked as `Batches` (`as_batch`)."""
     n = len(ds) if max_sequences is None else min(len(ds), max_sequences)
     for k, first in enumerate(range(0, n, micro_batch)):
         if k % world_size == rank:
-            yield as_batch(ds.batch(range(first, min(n, first + micro_batch))))
+            yield as_batch(ds.batch(range(first, min(n, first + micro_batch))), eod_id)

@@ -15,9 +15,14 @@ every target is computed exactly as it would be alone. Each mode keeps that:
   (0, 1, 2 ... per example in the row, -1 on the tail padding) so attention stays within each
   example: the built-in GPT reads both (a block-causal SDPA mask); Hugging Face models read the
   restarting `position_ids` (transformers builds the same block mask when no attention_mask
-  is given: `gradaccum.hf.loss_fn` hands it so). Every micro-batch has the same shape
-  (rows_per_micro_batch, row_tokens), empty rows filling the last one: `--compile` compiles
-  once.
+  is given: `gradaccum.hf.loss_fn` hands it so). Without `buckets` every micro-batch has the
+  same shape (rows_per_micro_batch, row_tokens), empty rows filling the last one: `--compile`
+  compiles once. With `buckets` ("bucketed rows") a row is only as wide as the bucket that
+  fits the example opening it (the longest first, so the long tail gets wide rows and the
+  rest narrow ones), micro-batches hold rows of one width, budget // width of them, each cut
+  to its longest row's content rounded up to a bucket: a block-masked SDPA computes each
+  row's full width^2 attention, so narrow rows compute less for the same tokens; the shapes
+  are bounded by the buckets (widths) and the budget (rows).
 
 Layouts follow the loss (`sft_examples`): "shifted" (the built-in GPT's
 `models.loss.causal_lm_loss`: example inputs ids[:-1], labels labels[1:], one position fewer
@@ -50,6 +55,7 @@ __all__ = [
     "collate_window",
     "document_positions",
     "micro_batches",
+    "pack_micro_batches",
     "pack_rows",
     "padded_width",
     "window_micro_batches",
@@ -128,32 +134,56 @@ def collate_window(
     pad_id: int,
     layout: str = "shifted",
     buckets: Sequence[int] | None = None,
+    fill_budget: int | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """One micro-batch per group (positions in `examples`): `sft_batches.collate` (input_ids,
-    labels, attention_mask; (b, T) int64), T the group's longest, or the next bucket."""
+    labels, attention_mask; (b, T) int64), T the group's longest, or the next bucket.
+
+    `fill_budget` (tokens, the budget the groups were cut by): empty rows pad each micro-batch
+    to max(b, fill_budget // T) rows, so that with buckets the shapes are bounded by the
+    buckets, one row count per width (`--compile`). An empty row has no target, so it weighs
+    nothing; its attention_mask is 1 (a causal row of pad tokens), because a row attending to
+    nothing can make SDPA's softmax NaN, and NaN x 0 is not 0."""
+    fill = {"input_ids": pad_id, "labels": IGNORE_INDEX, "attention_mask": 0}
     out = []
     for group in groups:
         batch = collate([examples[i] for i in group], pad_id, layout)
-        t = batch["input_ids"].shape[1]
+        b, t = batch["input_ids"].shape
         extra = padded_width(t, buckets) - t
         if extra:
-            fill = {"input_ids": pad_id, "labels": IGNORE_INDEX, "attention_mask": 0}
             batch = {
                 key: torch.nn.functional.pad(value, (0, extra), value=fill[key])
+                for key, value in batch.items()
+            }
+        rows = max(b, fill_budget // (t + extra)) - b if fill_budget else 0
+        if rows:
+            empty = {"input_ids": pad_id, "labels": IGNORE_INDEX, "attention_mask": 1}
+            batch = {
+                key: torch.cat([value, value.new_full((rows, t + extra), empty[key])])
                 for key, value in batch.items()
             }
         out.append(batch)
     return out
 
 
+def row_capacity(width: int, row_tokens: int, buckets: Sequence[int] | None) -> int:
+    """Positions of a padding-free row opened by an example of `width` positions: row_tokens,
+    or with `buckets` the smallest bucket that fits it (at most row_tokens)."""
+    return row_tokens if not buckets else min(row_tokens, padded_width(width, buckets))
+
+
 def pack_rows(
-    examples: Sequence[Example], row_tokens: int, layout: str | None = None
+    examples: Sequence[Example],
+    row_tokens: int,
+    layout: str | None = None,
+    buckets: Sequence[int] | None = None,
 ) -> list[list[int]]:
     """Positions of `examples` per padding-free row: first-fit decreasing (longest first, ties
     in the given order, each into the first row with room), each row's positions <=
-    row_tokens. `layout`: None counts every token of an example (the rows fit either layout);
-    "shifted" counts one fewer per example (its inputs are ids[:-1]). Raises BadInput when an
-    example alone is longer than a row."""
+    row_tokens, or with `buckets` <= the capacity its first example opened it with
+    (`row_capacity`): rows come out widest first. `layout`: None counts every token of an
+    example (the rows fit either layout); "shifted" counts one fewer per example (its inputs
+    are ids[:-1]). Raises BadInput when an example alone is longer than a row."""
     if row_tokens < 1:
         raise BadInput(f"--micro-batch-tokens {row_tokens}: a row must hold >= 1 token")
     rows: list[list[int]] = []
@@ -172,8 +202,35 @@ def pack_rows(
                 break
         else:
             rows.append([i])
-            room.append(row_tokens - width)
+            room.append(row_capacity(width, row_tokens, buckets) - width)
     return rows
+
+
+def pack_micro_batches(
+    examples: Sequence[Example],
+    row_tokens: int,
+    budget: int,
+    layout: str | None = None,
+    buckets: Sequence[int] | None = None,
+) -> list[tuple[list[list[int]], int]]:
+    """Padding-free micro-batches of `examples`: (its rows, as `pack_rows` gives them, and its
+    width in positions) for each. Without `buckets`: max(1, budget // row_tokens) rows of
+    row_tokens each. With: rows of one capacity together, max(1, budget // capacity) per
+    micro-batch, its width the longest row's content rounded up to a bucket (<= capacity)."""
+    rows = pack_rows(examples, row_tokens, layout, buckets)
+    if not buckets:
+        per = max(1, budget // row_tokens)
+        return [(rows[i : i + per], row_tokens) for i in range(0, len(rows), per)]
+    widths = [sum(_width(examples[i], layout) for i in row) for row in rows]
+    caps = [row_capacity(_width(examples[row[0]], layout), row_tokens, buckets) for row in rows]
+    out: list[tuple[list[list[int]], int]] = []
+    start = 0
+    for r in range(1, len(rows) + 1):
+        if r == len(rows) or caps[r] != caps[start] or r - start == max(1, budget // caps[start]):
+            content = max(widths[start:r])
+            out.append((rows[start:r], min(caps[start], padded_width(content, buckets))))
+            start = r
+    return out
 
 
 def collate_packed(
@@ -245,10 +302,12 @@ def micro_batches(
     `packing` mode (see the module docstring); an empty list when there is no example.
 
     "none": runs of `micro_batch` examples, longest first. "window": `micro_batch_tokens`
-    per micro-batch, padding included, `buckets` optional. "padding-free": rows of
+    per micro-batch, padding included; with `buckets` the width rounded up to a bucket and
+    the rows filled to budget // width (few shapes). "padding-free": rows of at most
     `row_tokens` positions (default: micro_batch_tokens // micro_batch when micro_batch is
-    given, the sequence length with the default budget, else micro_batch_tokens), grouped
-    max(1, micro_batch_tokens // row_tokens) rows per micro-batch, all of one shape."""
+    given, the sequence length with the default budget, else micro_batch_tokens); without
+    `buckets` max(1, micro_batch_tokens // row_tokens) rows per micro-batch, all of one
+    shape; with `buckets`, bucketed rows (`pack_micro_batches`)."""
     _check_layout(layout)
     if packing not in PACKINGS:
         raise BadInput(f"--packing {packing}: choose one of {', '.join(PACKINGS)}")
@@ -264,14 +323,15 @@ def micro_batches(
         raise BadInput(f"--micro-batch-tokens {micro_batch_tokens}: must be >= 1")
     if packing == "window":
         groups = window_micro_batches(examples, micro_batch_tokens, pad_id, layout, buckets)
-        return collate_window(examples, groups, pad_id, layout, buckets)
+        fill = micro_batch_tokens if buckets else None
+        return collate_window(examples, groups, pad_id, layout, buckets, fill)
     if row_tokens is None:
         row_tokens = micro_batch_tokens // micro_batch if micro_batch else micro_batch_tokens
     per_batch = max(1, micro_batch_tokens // row_tokens)
-    rows = pack_rows(examples, row_tokens, layout)
+    runs = pack_micro_batches(examples, row_tokens, micro_batch_tokens, layout, buckets)
     return [
-        collate_packed(examples, rows[i : i + per_batch], row_tokens, pad_id, layout, per_batch)
-        for i in range(0, len(rows), per_batch)
+        collate_packed(examples, rows, width, pad_id, layout, None if buckets else per_batch)
+        for rows, width in runs
     ]
 
 

@@ -8,13 +8,17 @@ the ranks, runs of `--micro-batch` examples each padded to its longest. The two 
   longest of every round; by tokens the ranks' loads differ by at most one example's length;
 - window: the rank's share cut by a token budget, longest first, each micro-batch filled while
   its examples x its longest (padding included) stay within `budget`, padded to its own longest
-  (to the next of `buckets` when given, so that a compiled model sees few shapes);
+  (to the next of `buckets` when given, and with `fixed_rows` to budget // width rows by empty
+  rows with no target, so that a compiled model sees one shape per bucket);
 - padding-free: the share packed into rows of `row_tokens` positions (first-fit decreasing),
   the examples' positions restarting at 0 and attention kept inside each example
   (`document_ids`; a Hugging Face model reads the restarting `position_ids` alone),
   `budget // row_tokens` rows per micro-batch (at least one). With `fixed_rows` (--compile)
   empty rows fill a rank's last, so that a compiled model sees one shape, (rows, row_tokens);
-  without, the last holds only the rows it needs (no compute on empty rows).
+  without, the last holds only the rows it needs (no compute on empty rows), and with
+  `row_buckets` the rows are bucketed (`packing.pack_micro_batches`: a row as wide as the
+  bucket of the example opening it, each micro-batch cut to its content's bucket), which
+  computes less attention for the same tokens.
 The number of micro-batches follows from the budget; every rank sees the whole window, and the
 engine agrees on the largest count over the ranks (`Accumulator.begin_window`), a rank with fewer
 repeating its last with weight 0. A rank left without an example gets one micro-batch of the
@@ -49,10 +53,14 @@ class Packing:
     buckets: tuple[int, ...] | None = None
     """window: widths a micro-batch is padded up to (None: its own longest)."""
     fixed_rows: bool = False
-    """padding-free: every micro-batch `rows` rows, empty rows filling a rank's last."""
+    """--compile: padding-free, every micro-batch `rows` rows, empty rows filling a rank's
+    last; window, each micro-batch budget // width rows."""
     document_ids: bool = True
     """padding-free: keep the rows' `document_ids` (the built-in GPT reads them; a Hugging
     Face model takes `position_ids` only)."""
+    row_buckets: tuple[int, ...] | None = None
+    """padding-free without `fixed_rows`: the widths of bucketed rows (None: rows of
+    row_tokens)."""
 
     @property
     def rows(self) -> int:
@@ -84,20 +92,27 @@ def rank_micro_batches(
     local = [examples[i] for i in share]
     if packing.mode == "window":
         groups = packer.window_micro_batches(local, packing.budget, pad_id, layout, packing.buckets)
-        batches = packer.collate_window(local, groups, pad_id, layout, packing.buckets)
+        batches = _window(local, groups, packing, pad_id, layout)
         return [[share[j] for j in g] for g in groups], batches
     if packing.mode != "padding-free":
         raise ValueError(f"packing {packing.mode!r}: SFTBatches cuts --packing none itself")
-    rows = packer.pack_rows(local, packing.row_tokens, layout)
-    runs = [rows[i : i + packing.rows] for i in range(0, len(rows), packing.rows)]
-    batches = [_packed(local, run, packing, pad_id, layout) for run in runs]
-    return [[share[j] for row in run for j in row] for run in runs], batches
+    buckets = None if packing.fixed_rows else packing.row_buckets
+    runs = packer.pack_micro_batches(local, packing.row_tokens, packing.budget, layout, buckets)
+    batches = [_packed(local, run, packing, pad_id, layout, width) for run, width in runs]
+    return [[share[j] for row in run for j in row] for run, _ in runs], batches
 
 
-def _packed(local, rows, packing: Packing, pad_id: int, layout: str) -> dict:
-    """One padding-free micro-batch of `packing.rows` rows (`packing.collate_packed`)."""
+def _window(local, groups, packing: Packing, pad_id: int, layout: str) -> list[dict]:
+    """Window micro-batches (`packing.collate_window`), full to the budget with `fixed_rows`."""
+    fill = packing.budget if packing.fixed_rows else None
+    return packer.collate_window(local, groups, pad_id, layout, packing.buckets, fill)
+
+
+def _packed(local, rows, packing: Packing, pad_id: int, layout: str, width: int) -> dict:
+    """One padding-free micro-batch of `rows`, `width` positions wide
+    (`packing.collate_packed`), `packing.rows` rows with `fixed_rows`."""
     count = packing.rows if packing.fixed_rows else len(rows)
-    batch = packer.collate_packed(local, rows, packing.row_tokens, pad_id, layout, count)
+    batch = packer.collate_packed(local, rows, width, pad_id, layout, count)
     if not packing.document_ids:
         del batch["document_ids"]
     return batch
@@ -107,8 +122,12 @@ def _stand_in(example: Example, packing: Packing, pad_id: int, layout: str) -> d
     """A micro-batch of `example` with no target: it adds nothing to the gradient and lets a
     rank without an example join the window's collectives."""
     if packing.mode == "window":
-        return collate([example], pad_id, layout, no_targets=True)
-    batch = _packed([example], [[0]], packing, pad_id, layout)
+        if not packing.fixed_rows:
+            return collate([example], pad_id, layout, no_targets=True)
+        batch = _window([example], [[0]], packing, pad_id, layout)[0]  # a compiled shape
+        batch["labels"] = torch.full_like(batch["labels"], IGNORE_INDEX)
+        return batch
+    batch = _packed([example], [[0]], packing, pad_id, layout, packing.row_tokens)
     batch["labels"] = torch.full_like(batch["labels"], IGNORE_INDEX)
     return batch
 

@@ -186,6 +186,12 @@ class TrainConfig:
     hf:NAME[:SPLIT]. None: the built-in Markov corpus, whose entropy is the loss floor.
     With --task sft: PATH.jsonl, PATH.json, PATH.parquet or hf:NAME[:SPLIT] rows; None: the
     built-in instruction set (`gradaccum.data.sft_tasks`)."""
+    document_mask: bool = _flag(False, "pretrain: attention within each document", "bool")
+    """Each --eod-id input opens a document (position 0); attention stays within documents."""
+    eod_id: int | None = _flag(
+        None, "--document-mask: the end-of-document id, e.g. 50256 for GPT-2 (default the data's)"
+    )
+    """None: the data's end-of-document id; .bin/.npy/.txt have none (`parts.document_eod`)."""
     data_format: str = _flag(
         "auto",
         "--task sft: auto, prompt-completion, messages or alpaca (default auto: from the fields)",

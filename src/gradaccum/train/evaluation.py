@@ -19,14 +19,20 @@ def to_device(batch: dict, device: torch.device) -> dict:
 
 @torch.no_grad()
 def evaluate(
-    model: torch.nn.Module, val, micro_batch: int, device: torch.device, precision: str
+    model: torch.nn.Module,
+    val,
+    micro_batch: int,
+    device: torch.device,
+    precision: str,
+    eod_id: int | None = None,
 ) -> float:
     """Mean loss per token over the first EVAL_TOKENS tokens of the held-out split (the same
-    sequences every time, so eval losses of a run compare with each other)."""
+    sequences every time, so eval losses of a run compare with each other); `eod_id`:
+    document-masked as the run trains (--document-mask)."""
     was_training = model.training
     model.eval()
     loss_sum, tokens = 0.0, 0
-    for batch in eval_batches(val, micro_batch, max(1, EVAL_TOKENS // val.seq_len)):
+    for batch in eval_batches(val, micro_batch, max(1, EVAL_TOKENS // val.seq_len), eod_id=eod_id):
         with devices.autocast(device, autocast_dtype(precision)):
             s, n = causal_lm_loss(model, to_device(batch, device))
         loss_sum += float(s)

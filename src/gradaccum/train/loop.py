@@ -131,7 +131,8 @@ class Run:
         if self.sft is not None:
             pad = self.sft.tokenizer.pad_id
             return sft.SFTStream(self.config, self.sft.train, pad, micro, rank, world)
-        return Batches(self.data.train, micro, self.config.seed, rank=rank, world_size=world)
+        data = self.data  # with --document-mask, its eod_id masks each micro-batch
+        return Batches(data.train, micro, self.config.seed, rank, world, eod_id=data.eod_id)
 
     @classmethod
     def build(cls, config: TrainConfig, rank_info: RankInfo) -> Run:
@@ -157,7 +158,7 @@ class Run:
                 )
             plan_config = sft.plan_config(config, data.train, rank_info.world_size, measured)
         elif micro_batch.measures(config, rank_info.world_size):
-            plan_config = micro_batch.measure(config, model, data.train, rank_info, console.say)
+            plan_config = micro_batch.measure(config, model, data, rank_info, console.say)
         resolved = _resolve(config, plan_config, model_info, rank_info)
         batch = BatchState.planned(config, resolved, rank_info.world_size)
         schedule = batch.lr_schedule(config, resolved)
@@ -226,6 +227,8 @@ class Run:
             world = self.rank_info.world_size
             lines += self.sft.summary_lines()
             lines += sft.plan_lines(self.config, self.sft, self.batch.micro_batch, world)
+        else:
+            lines += parts.document_mask_lines(self.data)
         for line in lines:
             self.console.say(line)
         for line in self.notes:
@@ -412,7 +415,7 @@ class Run:
                 return
             fields, lines = sft.evaluate(model, self.sft, micro, self.device, precision)
         else:
-            loss = evaluate(model, self.data.val, micro, self.device, precision)
+            loss = evaluate(model, self.data.val, micro, self.device, precision, self.data.eod_id)
             fields, lines = {"eval_loss": loss}, [f"eval loss {loss:.4f}"]
         record = {"step": step, "tokens": self.batch.tokens, **fields}
         self.write_record({**record, "elapsed_s": self.clock.elapsed()})

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from .. import fit
+from ..data.batches import as_batch
 from ..models.loss import causal_lm_loss
 from ..parallel import devices
 from ..parallel.process_group import RankInfo
@@ -59,7 +60,7 @@ def measures(config: TrainConfig, world_size: int) -> bool:
 def measure(
     config: TrainConfig,
     model: torch.nn.Module,
-    train_set,
+    data: parts.Data,
     rank_info: RankInfo,
     say: Callable[[str], None],
 ) -> TrainConfig:
@@ -67,12 +68,13 @@ def measure(
     AUTO_FIT_SECONDS (forward, backward and the run's optimizer step at growing sizes,
     bounded on CPU by CPU_MICRO_TOKENS per micro-batch); its table is printed through `say`.
     The model's weights and the RNG are left as they were, so the run trains as if nothing
-    was probed."""
-    device = rank_info.device
+    was probed. With --document-mask (`data.eod_id`) it probes masked batches, as the run
+    trains (a masked attention may take another kernel and more memory)."""
+    device, train_set = rank_info.device, data.train
 
     def make_batch(micro_batch: int) -> dict:
-        rows = train_set.batch(np.arange(micro_batch) % len(train_set)).to(device)
-        return {"input_ids": rows[:, :-1].contiguous(), "labels": rows[:, 1:].contiguous()}
+        rows = train_set.batch(np.arange(micro_batch) % len(train_set))
+        return {k: v.to(device) for k, v in as_batch(rows, data.eod_id).items()}
 
     micro = _probe(config, model, make_batch, targets(config)[1], rank_info, say)
     return replace(config, micro_batch=micro)

@@ -16,6 +16,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from ..data.tokens import DataInfo, TokenDataset, load_tokens
+from ..hf import packed_positions_supported
 from ..models.build import build_model
 from ..models.checkpointing import set_checkpointing
 from ..models.info import ModelInfo
@@ -37,6 +38,9 @@ class Data:
     train: TokenDataset
     val: TokenDataset
     info: DataInfo
+    eod_id: int | None = None
+    """The end-of-document id each micro-batch is document-masked at (--document-mask);
+    None: no document mask, the micro-batches as before."""
 
 
 def load_data(config: TrainConfig) -> Data | sft.SFTParts:
@@ -45,11 +49,62 @@ def load_data(config: TrainConfig) -> Data | sft.SFTParts:
     try:
         if config.task == "sft":
             return sft.load_data(config)
-        return Data(*load_tokens(config.data, config.seq_len, config.seed))
+        data = Data(*load_tokens(config.data, config.seq_len, config.seed))
     except BadInput:
         raise
     except (ValueError, OSError, ImportError) as err:
         raise BadInput("--data", config.data or "(built-in)", first_line(err)) from None
+    data.eod_id = document_eod(config, data.info)
+    return data
+
+
+def document_eod(config: TrainConfig, info: DataInfo) -> int | None:
+    """The id --document-mask cuts at: --eod-id, else the data's own end-of-document id;
+    None without --document-mask. BadInput when the data marks no document ends and none is
+    given, or the id is outside the data's vocabulary."""
+    if not config.document_mask:
+        return None
+    if config.eod_id is None:
+        if info.eod_token is None:
+            raise BadInput(
+                "--document-mask",
+                None,
+                f"--data {config.data} marks no document ends; give --eod-id N, the id that "
+                "ends each document (its tokenizer's end-of-text id, e.g. 50256 for GPT-2)",
+            )
+        return info.eod_token
+    if config.eod_id >= info.vocab_size:
+        raise BadInput(
+            "--eod-id",
+            config.eod_id,
+            f"outside the data's vocabulary of {info.vocab_size} ids",
+        )
+    return config.eod_id
+
+
+def document_mask_lines(data: Data) -> list[str]:
+    """The opening line of a --document-mask run; none without it."""
+    if data.eod_id is None:
+        return []
+    return [
+        "document mask: attention within each document, each end-of-document id "
+        f"{data.eod_id} opening the next one at position 0"
+    ]
+
+
+def check_document_mask(config: TrainConfig, model: torch.nn.Module, info: ModelInfo) -> None:
+    """--document-mask needs a model that keeps documents apart: the built-in GPT reads
+    document ids; a Hugging Face model must honour restarting position ids, measured
+    (`gradaccum.hf.packed_positions_supported`: three forwards of 8 tokens). BadInput if not."""
+    if not config.document_mask or getattr(model, "reads_document_ids", False):
+        return
+    if info.kind != "hf" or not packed_positions_supported(model):
+        raise BadInput(
+            "--document-mask",
+            None,
+            f"{type(model).__name__} does not keep packed documents apart (its attention "
+            "ignores restarting position ids); train without --document-mask",
+        )
 
 
 def new_model(config: TrainConfig, data_info: DataInfo) -> tuple[torch.nn.Module, ModelInfo]:
@@ -62,6 +117,7 @@ def new_model(config: TrainConfig, data_info: DataInfo) -> tuple[torch.nn.Module
         vocab_size=data_info.vocab_size,
         seq_len=config.seq_len,
     )
+    check_document_mask(config, model, info)
     return adapters.attach(model, info, config)
 
 
@@ -74,11 +130,15 @@ def checkpoint_model(
     if config.lora_rank is not None:
         return adapters.resumed_model(config, path, *new_model(config, data_info))
     try:
-        return build_model(init_from=path, vocab_size=data_info.vocab_size, seq_len=config.seq_len)
+        model, info = build_model(
+            init_from=path, vocab_size=data_info.vocab_size, seq_len=config.seq_len
+        )
     except BadInput as err:
         raise BadInput(
             "--resume", config.out, f"the checkpoint's model does not fit ({err.why or err})"
         ) from None
+    check_document_mask(config, model, info)
+    return model, info
 
 
 def place(model: torch.nn.Module, config: TrainConfig, rank_info: RankInfo) -> torch.nn.Module:

@@ -48,6 +48,8 @@ REFUSED = {
     "data_format": "the format fixes what the examples are; a resume keeps it",
     "train_on_prompt": "what the loss counts stays as trained",
     "drop_long": "which examples are trained on stays as trained",
+    "document_mask": "what each token attends to stays as trained",
+    "eod_id": "the documents the mask keeps apart stay as trained",
 }
 """Fields a resume may not change, and why."""
 

@@ -239,9 +239,12 @@ class SFTStream:
         # micro-batch, and the budget with it.
         self._per_example = budget / micro_batch
         # --compile: few shapes (length buckets, full micro-batches of rows); otherwise the
-        # least padding.
+        # least padding, and padding-free rows as narrow as their examples allow (a block
+        # mask computes each row's full width^2 attention).
         self._compile = config.compile
-        self._buckets = tuple(bucket_lengths(config.seq_len)) if config.compile else None
+        buckets = tuple(bucket_lengths(config.seq_len))
+        self._buckets = buckets if config.compile else None
+        self._row_buckets = None if config.compile else buckets
         self._document_ids = builtin_gpt(config)
 
     @property
@@ -255,7 +258,13 @@ class SFTStream:
             return None
         budget = max(1, round(self.micro_batch * self._per_example))
         return Packing(
-            self.mode, budget, self.seq_len, self._buckets, self._compile, self._document_ids
+            self.mode,
+            budget,
+            self.seq_len,
+            self._buckets,
+            self._compile,
+            self._document_ids,
+            self._row_buckets,
         )
 
     @property
@@ -398,7 +407,7 @@ CUTS = {
     "none": "micro-batches of {micro} examples padded to their longest",
     "window": "micro-batches of up to {budget:,} positions (padding included), longest "
     "first, each padded to its longest{buckets}",
-    "padding-free": "micro-batches of up to {rows} padding-free row(s) of {seq} positions, "
+    "padding-free": "micro-batches of up to {rows} padding-free row(s) of {seq} positions{rowed}, "
     "attention kept within each example{full}",
 }
 """--packing's cut of a window, in the words of the plan line."""
@@ -429,8 +438,9 @@ def plan_lines(
         budget=budget,
         rows=max(1, budget // config.seq_len),
         seq=config.seq_len,
-        buckets=" (rounded up to a length bucket: --compile)" if config.compile else "",
+        buckets=" (rounded up to a length bucket, rows filled: --compile)" * config.compile,
         full=" (every one full, one shape: --compile)" if config.compile else "",
+        rowed="" if config.compile else " (narrower rows for shorter examples: length buckets)",
     )
     given = "" if config.packing else " (the default for this model)"
     k = "ceil(examples per rank / micro-batch)" if mode == "none" else "from the budget"

@@ -47,7 +47,17 @@ def check_task(config) -> None:
                     "only with --task sft (pretraining batches --tokens-per-step of a "
                     "token stream)",
                 )
+        if config.eod_id is not None and not config.document_mask:
+            raise BadInput("--eod-id", config.eod_id, "needs --document-mask")
         return
+    if config.document_mask or config.eod_id is not None:
+        name = "document_mask" if config.document_mask else "eod_id"
+        raise BadInput(
+            flag_name(name),
+            config.eod_id if name == "eod_id" else None,
+            "only with --task pretrain (--task sft keeps examples apart with --packing "
+            "padding-free)",
+        )
     why = {
         "accum_steps": "an SFT step is --examples-per-step examples (or --tokens-per-step "
         "counted tokens), k follows from --micro-batch",
