@@ -147,21 +147,49 @@ def continue_line(out, step: int) -> str:
     return f"the checkpoint at step {step} is still there: continue with: gradaccum train --resume --out {out}"
 
 
+def end_quietly(proc) -> None:
+    """End a run whose try showed nothing, and whatever it started."""
+    try:
+        proc.communicate(timeout=240)
+    finally:
+        for pid in in_session(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+        if proc.returncode is None:
+            proc.kill()
+            proc.communicate()
+
+
+TRIES = 3
+"""Runs a test may start before both of its signals land where it needs them."""
+
+
 @pytest.mark.slow
 def test_both_ctrl_c_during_a_checkpoint_write(tmp_path, data):
-    out = tmp_path / "run"
-    proc = start(out, data, accum_steps=1)
-    try:
-        wait_for(lambda: (out / "checkpoints" / "latest").exists(), proc)  # step 2 saved
-        before = hashes(out)
-        wait_for(lambda: saving(out), proc)  # step 4 being written
-        proc.send_signal(signal.SIGINT)
-        # Apart: two signals that arrive before the first one's handler ran are one Ctrl-C.
-        time.sleep(GAP_S)
-        assert saving(out), "the save ended before the second Ctrl-C"
-        proc.send_signal(signal.SIGINT)
-    finally:
-        line = finish(proc)
+    """A try whose write ended within GAP_S of the first Ctrl-C (a fast disk) lands the second
+    one nowhere: it shows nothing, and a fresh run tries again, at most TRIES times."""
+    for attempt in range(TRIES):
+        out = tmp_path / f"run-{attempt}"
+        proc = start(out, data, accum_steps=1)
+        landed = False
+        try:
+            wait_for(lambda o=out: (o / "checkpoints" / "latest").exists(), proc)  # step 2 saved
+            before = hashes(out)
+            wait_for(lambda o=out: saving(o), proc)  # step 4 being written
+            proc.send_signal(signal.SIGINT)
+            # Apart: two signals that arrive before the first one's handler ran are one Ctrl-C.
+            time.sleep(GAP_S)
+            landed = saving(out)
+            if landed:
+                proc.send_signal(signal.SIGINT)
+        finally:
+            if landed:
+                line = finish(proc)
+            else:
+                end_quietly(proc)
+        if landed:
+            break
+    else:
+        pytest.fail(f"in {TRIES} runs the write ended within {GAP_S} s of the first Ctrl-C")
     assert line == (
         "gradaccum: interrupted during the checkpoint at step 4, which was not written; "
         + continue_line(out, 2)
