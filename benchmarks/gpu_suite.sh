@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
-# The checks that need a GPU, in one script, under 8 minutes on one H200 (the parts' time
-# limits add up to 470 s):
+# The checks that need a GPU, in one script, about 10 minutes on one H200 (the parts' time
+# limits add up to 630 s; PARTS="train bench_sft" runs only the parts named, so the suite
+# can be split over two calls of a 10-minute limit):
 #   1. equivalence on CUDA: the engine's window update against the exact float64 big batch in
 #      fp32, bf16 and fp16 (autocast), and DDP / FSDP2 under torchrun (benchmarks/gpu_equivalence.py);
 #   2. `gradaccum train --model gpt2-124m --precision bf16`: tokens/s and model FLOPs
 #      utilisation, (6N + 12 L d T) FLOPs per token over the device's peak;
 #   3. `gradaccum bench` against the Transformers Trainer on GPT-2 124M (from its config);
 #   4. fit against a hand-picked sweep of micro-batches at the same tokens/step
-#      (benchmarks/gpu_fit.py).
+#      (benchmarks/gpu_fit.py);
+#   5. packing on CUDA: `gradaccum bench --task sft` (gradaccum's --packing modes against TRL
+#      padded and padding-free, where trl is installed) on GPT-2 124M from its config, and
+#      `gradaccum train --task sft --packing padding-free --compile` on the built-in GPT in
+#      bf16 (one shape: compiles once), and --document-mask pretraining.
 # Results: $RESULTS/gpu_suite.json and $RESULTS/gpu_suite.md (RESULTS defaults to
 # benchmarks/results). Each part has its own time limit; one that fails or times out is
 # recorded as such and the others still run.
@@ -27,6 +32,10 @@ started=$(date +%s)
 part() {  # part NAME SECONDS COMMAND...: run, keep its output, record its exit code
   local name=$1 limit=$2
   shift 2
+  if [ -n "${PARTS:-}" ] && [[ " $PARTS " != *" $name "* ]]; then
+    echo "skipped (not in PARTS)" >"$WORK/$name.err"; echo 125 >"$WORK/$name.rc"
+    : >"$WORK/$name.out"; return
+  fi
   echo "== $name (at most ${limit}s)" >&2
   timeout "$limit" "$@" >"$WORK/$name.out" 2>"$WORK/$name.err"
   echo $? >"$WORK/$name.rc"
@@ -83,6 +92,16 @@ part bench 100 "$PY" -m gradaccum bench --model-config "$WORK/gpt2/config.json" 
 part fit 150 "$PY" benchmarks/gpu_fit.py --device cuda --seq-len 1024 --tokens-per-step 512k \
   --sweep 4,8,16,32,64 --steps 3 --out "$WORK/fit"
 
+# 5. packing on CUDA ----------------------------------------------------------------------
+part bench_sft 90 "$PY" -m gradaccum bench --task sft --model-config "$WORK/gpt2/config.json" \
+  --micro-batch 8 --accum-steps 4 --seq-len 1024 --rounds 3 --windows 3 --device cuda --json
+part train_sft 50 "$PY" -m gradaccum train --task sft --packing padding-free --compile \
+  --model small --precision bf16 --max-steps 20 --eval-every 0 --save-every 0 --device cuda \
+  --out "$WORK/sft-run" --json
+part train_docmask 20 "$PY" -m gradaccum train --document-mask --model small --precision bf16 \
+  --seq-len 512 --micro-batch 16 --max-steps 10 --eval-every 0 --save-every 0 --device cuda \
+  --out "$WORK/docmask-run" --json
+
 # results ---------------------------------------------------------------------------------
 "$PY" - "$WORK" "$RESULTS" "$PEAK_TFLOPS" "$started" <<'PYEOF'
 import json, os, sys, time
@@ -95,7 +114,7 @@ def read(name):
     rc = int(open(os.path.join(work, name + ".rc")).read().strip() or 1)
     text = open(os.path.join(work, name + ".out")).read()
     err = open(os.path.join(work, name + ".err")).read().strip().splitlines()
-    status = "ok" if rc == 0 else ("timed out" if rc == 124 else f"exit {rc}")
+    status = {0: "ok", 124: "timed out", 125: "skipped"}.get(rc, f"exit {rc}")
     try:
         data = json.loads(text) if text.strip() else None
     except ValueError:
@@ -117,6 +136,8 @@ if train["json"]:
 out["train"] = train
 out["bench"] = read("bench")
 out["fit"] = {**read("fit"), "json": load(os.path.join(work, "fit", "gpu_fit.json"))}
+for name in ("bench_sft", "train_sft", "train_docmask"):
+    out[name] = read(name)
 write_text_atomic(os.path.join(results, "gpu_suite.json"), json.dumps(out, indent=2))
 
 md = [f"# GPU suite: {out['device']}, torch {out['torch']}, {out['wall_s']} s", ""]
@@ -145,6 +166,21 @@ fit = out["fit"]
 md.append(f"| fit vs hand-picked sweep (gpu_fit.py) | {fit['status']} | "
           + (json.dumps({k: v for k, v in fit["json"].items() if not isinstance(v, (list, dict))})[:300]
              if fit["json"] else fit["last_line"]) + " |")
+b = out["bench_sft"]["json"]
+if b:
+    md.append(f"| bench --task sft GPT-2 124M | ok | " + "; ".join(
+        f"{r['name']} {r.get('tokens_per_s') or 0:,.0f} counted tok/s, "
+        f"pad {r.get('padding') or 0:.0%}, err {r.get('update_rel_err') or 0:.1e}"
+        for r in b["results"] if not r.get("skipped")) + " |")
+else:
+    md.append(f"| bench --task sft GPT-2 124M | {out['bench_sft']['status']} | "
+              f"{out['bench_sft']['last_line']} |")
+for name, what in (("train_sft", "train --task sft padding-free --compile bf16"),
+                   ("train_docmask", "train --document-mask bf16")):
+    s = out[name]["json"]
+    figures = (f"{s['tokens_per_s']:,.0f} tokens/s, loss {s.get('final_loss')}" if s
+               else out[name]["last_line"])
+    md.append(f"| {what} | {out[name]['status']} | {figures} |")
 write_text_atomic(os.path.join(results, "gpu_suite.md"), "\n".join(md) + "\n")
 print("\n".join(md))
 PYEOF

@@ -1,18 +1,14 @@
 """A window's examples in each `--packing` mode (`gradaccum.data.packing`) through the engine:
-the gradient equals one big batch over the same examples, computed here without the packer
-or the engine (every example right-padded into one float64 batch, plain causal attention, the
-loss summed over the targets / N, one backward); the micro-batches themselves checked against
-hand-derived layouts."""
+the gradient equals one big batch over the same examples, computed without the packer or the
+engine (`tests.reference.sft_big_batch_grads`: every example right-padded into one float64
+batch, plain causal attention, the loss summed over the targets / N, one backward); the
+micro-batches themselves checked against hand-derived layouts."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
-import torch.nn.functional as F
 
-from gradaccum import Accumulator
 from gradaccum.data.packing import (
     PACKINGS,
     bucket_lengths,
@@ -23,58 +19,14 @@ from gradaccum.data.packing import (
     pack_rows,
     window_micro_batches,
 )
-from gradaccum.data.sft import tokenize_rows
 from gradaccum.data.sft_examples import make_example
-from gradaccum.data.sft_rows import rows_from_dicts
-from gradaccum.data.sft_tasks import builtin_rows
 from gradaccum.data.tokenizers import ByteTokenizer
-from gradaccum.models.gpt import GPT, GPTConfig
-from gradaccum.models.loss import causal_lm_loss
 from gradaccum.utils.errors import BadInput
-from gradaccum.verification.reference import GradRecorder
+from tests.reference import byte_gpt as gpt  # the short names test_packing_buckets imports
+from tests.reference import engine_grads, rel_error, sft_examples
+from tests.reference import sft_big_batch_grads as big_batch_grads
 
-SEQ_LEN = 128  # holds every built-in example (the longest is 91 byte tokens)
 PAD = ByteTokenizer.pad_id
-
-
-def sft_examples(seed: int = 0, n: int = 120):
-    rows = rows_from_dicts(builtin_rows(seed=seed, n=n), "built-in")
-    return tokenize_rows(rows, ByteTokenizer(), seq_len=SEQ_LEN, source="built-in").examples
-
-
-def gpt(seed: int = 0) -> GPT:
-    torch.manual_seed(seed)
-    cfg = GPTConfig(vocab_size=ByteTokenizer.vocab_size, seq_len=SEQ_LEN, n_layer=2, n_head=2,
-                    n_embd=32, dropout=0.0)  # fmt: skip
-    return GPT(cfg)
-
-
-def big_batch_grads(model, examples) -> list[torch.Tensor]:
-    """float64: every example's ids[:-1] / labels[1:] right-padded into one batch, one causal
-    forward (no packing, no document mask), cross-entropy summed over the targets / N."""
-    model = copy.deepcopy(model).double()
-    width = max(e.length - 1 for e in examples)
-    ids = torch.full((len(examples), width), PAD, dtype=torch.long)
-    labels = torch.full((len(examples), width), -100, dtype=torch.long)
-    for r, e in enumerate(examples):
-        ids[r, : e.length - 1] = torch.as_tensor(e.input_ids[:-1], dtype=torch.long)
-        labels[r, : e.length - 1] = torch.as_tensor(e.labels[1:], dtype=torch.long)
-    logits = model(ids)
-    loss_sum = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
-    (loss_sum / sum(e.num_targets for e in examples)).backward()
-    return [p.grad.detach().clone() for p in model.parameters()]
-
-
-def engine_grads(model, batches) -> list[torch.Tensor]:
-    model = copy.deepcopy(model)
-    opt = GradRecorder(model.parameters())
-    Accumulator(model, opt, precision="fp32").step(batches, causal_lm_loss)
-    return opt.seen[0]
-
-
-def rel_error(got, want) -> float:
-    return max(float((g.double() - w).norm() / w.norm()) for g, w in zip(got, want, strict=True))
-
 
 MODES = {
     "none": {"micro_batch": 5},

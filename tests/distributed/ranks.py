@@ -1,6 +1,6 @@
 """What the distributed tests share: per-rank ragged data, the global windows it forms, and
 the single-process reference that takes each global window as one batch (no engine), at the
-ranks' parameters of that window.
+ranks' parameters of that window; a rank's engine over DDP whose optimizer only records.
 
 The process harness and the gradient recorders are `gradaccum.testing`'s, re-exported here.
 """
@@ -10,8 +10,11 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
+from gradaccum import Accumulator
 from gradaccum.testing import (  # noqa: F401 - re-exported for the tests
+    GradRecorder,
     adamw,
     full,
     record_grads,
@@ -61,6 +64,15 @@ def same_weights_reference(counts: tuple[int, ...], before: list[list[torch.Tens
         losses.append(loss_sum.item() / n.item())
         grads.append(big_batch_grads(model, window))
     return {"grads": grads, "losses": losses}
+
+
+def ddp_recording_engine(model: torch.nn.Module, **engine) -> tuple[Accumulator, GradRecorder]:
+    """This rank's engine (`engine`: Accumulator's keywords) over `model` under DDP, with an
+    optimizer that records the gradient each window hands it (`.seen`) and leaves the weights
+    as they are: every window is taken at the same parameters."""
+    ddp = DistributedDataParallel(model)
+    opt = GradRecorder(ddp.parameters())
+    return Accumulator(ddp, opt, **engine), opt
 
 
 def assert_steps_are_adamw(got: dict) -> None:

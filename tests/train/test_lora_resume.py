@@ -17,6 +17,7 @@ from gradaccum.train.config import TrainConfig
 from gradaccum.train.loop import train
 
 from .helpers import markov_npy, one_line_error, train_records
+from .small_run import latest_checkpoint, small_config, train_until
 from .test_lora_flags import tiny_adapters
 
 pytest.importorskip("peft")
@@ -30,24 +31,13 @@ def data(tmp_path_factory):
 
 
 def config(out, data, **kw) -> TrainConfig:
-    base = dict(
-        out=str(out),
-        data=str(data),
-        seq_len=16,
-        micro_batch=2,
-        accum_steps=2,
+    lora = dict(
         max_steps=4,
-        eval_every=0,
-        save_every=2,
         device="cpu",
         lora_rank=RANK,
         lora_dropout=0.1,  # the dropout masks draw from the RNG: a resume must restore it
     )
-    return TrainConfig(**{**base, **kw})
-
-
-def final_checkpoint(out) -> checkpoint.Checkpoint:
-    return checkpoint.load(checkpoint.find_latest(str(out)))
+    return small_config(out, data, **{**lora, **kw})
 
 
 def base_tensors(model) -> dict:
@@ -83,7 +73,7 @@ def test_checkpoint_holds_adapters_only_and_resume_is_bit_for_bit(tmp_path, data
 
     # The checkpoint: adapter tensors only, their count derived by hand, and optimizer state
     # for exactly those tensors.
-    ckpt = final_checkpoint(straight)
+    ckpt = latest_checkpoint(straight)
     assert ckpt.model_state and all(".lora_" in k for k in ckpt.model_state)
     assert sum(t.numel() for t in ckpt.model_state.values()) == tiny_adapters(RANK)
     opt_state = ckpt.trainer_state["optimizer"]["state"]
@@ -92,11 +82,11 @@ def test_checkpoint_holds_adapters_only_and_resume_is_bit_for_bit(tmp_path, data
 
     # Stopped after 2 of 4 steps, then resumed: the same losses and adapters, bit for bit.
     halves = tmp_path / "halves"
-    train(config(halves, data), should_stop=lambda step: step == 2)
-    assert final_checkpoint(halves).step == 2
+    train_until(config(halves, data), 2)
+    assert latest_checkpoint(halves).step == 2
     train(config(halves, data, resume=True))
     assert train_records(halves) == train_records(straight)
-    resumed = final_checkpoint(halves)
+    resumed = latest_checkpoint(halves)
     assert resumed.step == 4 and resumed.model_state.keys() == ckpt.model_state.keys()
     for name, tensor in ckpt.model_state.items():
         assert torch.equal(resumed.model_state[name], tensor), name
@@ -172,7 +162,7 @@ def test_resume_against_another_base_or_lora_is_one_line(tmp_path, data, capsys)
     # Put back, the resume goes on.
     gpt_folder(tmp_path / "base", seed=3)
     assert main(cli(out, data, "--resume", "--max-steps", "4")) == 0
-    assert final_checkpoint(out).step == 4
+    assert latest_checkpoint(out).step == 4
 
 
 def test_a_base_rebuilt_from_the_seed_is_the_same_base(tmp_path, data):
@@ -180,7 +170,7 @@ def test_a_base_rebuilt_from_the_seed_is_the_same_base(tmp_path, data):
     the one the new run recorded (and another seed's is not)."""
     out = tmp_path / "run"
     train(config(out, data, max_steps=2))
-    recorded = final_checkpoint(out).model_config[adapters.RECORD]["base_sha256"]
+    recorded = latest_checkpoint(out).model_config[adapters.RECORD]["base_sha256"]
     for seed, same in ((0, True), (1, False)):
         torch.manual_seed(seed)
         model = GPT(GPTConfig(vocab_size=512, seq_len=16, **_tiny()))

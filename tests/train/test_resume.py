@@ -23,6 +23,7 @@ from gradaccum.utils.errors import BadInput
 
 from . import helpers
 from .helpers import without_timing
+from .small_run import latest_checkpoint, small_config, train_until
 
 pytestmark = pytest.mark.slow  # end-to-end runs: minutes on two loaded cores
 
@@ -36,17 +37,7 @@ def data(tmp_path_factory):
 
 
 def small(out, data, **kw) -> TrainConfig:
-    base = dict(
-        out=str(out),
-        data=str(data / "markov.npy"),
-        seq_len=16,
-        micro_batch=2,
-        accum_steps=2,
-        max_steps=6,
-        eval_every=0,
-        save_every=2,
-    )
-    return TrainConfig(**{**base, **kw})
+    return small_config(out, data / "markov.npy", **{"max_steps": 6, **kw})
 
 
 def records(out) -> list[dict]:
@@ -55,27 +46,6 @@ def records(out) -> list[dict]:
 
 def one_line_error(capsys, argv) -> str:
     return helpers.one_line_error(capsys, argv, stdout_empty=False)
-
-
-def cli(out, data, *extra) -> list[str]:
-    return [
-        "train",
-        "--data",
-        str(data / "markov.npy"),
-        "--seq-len",
-        "16",
-        "--micro-batch",
-        "2",
-        "--accum-steps",
-        "2",
-        "--eval-every",
-        "0",
-        "--save-every",
-        "2",
-        "--out",
-        str(out),
-        *extra,
-    ]
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +61,7 @@ def four_of_six(tmp_path_factory, data):
     """The same run stopped after step 4: checkpoints at steps 2 and 4. Tests that write
     copy it first."""
     out = tmp_path_factory.mktemp("four") / "run"
-    train(small(out, data), should_stop=lambda step: step >= 4)
+    train_until(small(out, data), 4)
     return out
 
 
@@ -114,7 +84,7 @@ def test_a_changed_weight_decay_is_applied_recorded_and_printed(
     capsys.readouterr()
     assert main(["train", "--resume", "--out", str(out), "--weight-decay", "0.5"]) == 0
     assert "resume: weight-decay 0.1 -> 0.5 from step 4" in capsys.readouterr().out
-    saved = checkpoint.load(checkpoint.find_latest(str(out))).trainer_state
+    saved = latest_checkpoint(out).trainer_state
     assert saved["optimizer"]["param_groups"][0]["weight_decay"] == 0.5  # what it trained with
     assert saved["config"]["weight_decay"] == 0.5  # and what it says it trained with
     # decay acts from step 5 on: step 6's loss moves away from the unchanged run's (before
@@ -158,7 +128,7 @@ def test_the_model_comes_from_the_checkpoint_not_from_an_edited_config(tmp_path,
     transformers.GPT2Config(n_layer=2, **gpt2).save_pretrained(config_dir)
     out = tmp_path / "run"
     config = small(out, data, model_config=str(config_dir / "config.json"), max_steps=3)
-    train(config, should_stop=lambda step: step >= 2)
+    train_until(config, 2)
     transformers.GPT2Config(n_layer=3, **gpt2).save_pretrained(config_dir)  # edited since
     capsys.readouterr()
     assert main(["train", "--resume", "--out", str(out)]) == 0
@@ -319,12 +289,12 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_resume_is_exact(
         real(path, write)
 
     monkeypatch.setattr(checkpoint, "_write_synced", disk_full_after_step_2)
-    summary = train(small(out, data), should_stop=lambda step: step >= 5)
+    summary = train_until(small(out, data), 5)
     said = capsys.readouterr().out
     assert summary["stopped"] and summary["steps"] == 5
     assert "checkpoint at step 4 not written (No space left on device)" in said
     assert "the one at step 2 is still there" in said
     monkeypatch.undo()
-    assert checkpoint.load(checkpoint.find_latest(str(out))).step == 2
+    assert latest_checkpoint(out).step == 2
     train(small(out, data, resume=True))
     assert records(out) == records(whole)

@@ -13,6 +13,17 @@ PEERS = ("accelerate", "trainer", "lightning")
 
 _LARGEST = 1 << 20  # no count here past a million means anything on one device
 
+COUNTS = (
+    ("micro_batch", 1),
+    ("accum_steps", 1),
+    ("seq_len", 2),
+    ("rounds", 1),
+    ("windows", 1),
+    ("seed", 0),
+)
+"""The whole-number fields every bench config has (`BenchConfig`, `SFTBenchConfig`), each
+with the least value it takes."""
+
 
 @dataclass
 class BenchConfig:
@@ -40,15 +51,7 @@ class BenchConfig:
     """Peers to run besides gradaccum and the hand-written loop."""
 
     def __post_init__(self):
-        for name, least in (
-            ("micro_batch", 1),
-            ("accum_steps", 1),
-            ("seq_len", 2),
-            ("rounds", 1),
-            ("windows", 1),
-            ("seed", 0),
-        ):
-            _check_int(name, getattr(self, name), least)
+        check_counts(self)
         if self.model is not None and self.model_config is not None:
             raise BadInput("--model", self.model, "give --model or --model-config, not both")
         if self.model_config is None:
@@ -84,7 +87,15 @@ class BenchConfig:
         return self.model if self.model_config is None else f"hf:{self.model_config}"
 
 
-def _check_int(name: str, value, least: int) -> None:
+def check_counts(config) -> None:
+    """Every field of `COUNTS` on `config` a whole number from its least value to a million;
+    else BadInput naming the field's flag and the value."""
+    for name, least in COUNTS:
+        check_int(name, getattr(config, name), least)
+
+
+def check_int(name: str, value, least: int) -> None:
+    """Field `name` (its flag `--name`) a whole number from `least` to a million."""
     flag = flag_name(name)
     if isinstance(value, bool) or not isinstance(value, int):
         raise BadInput(flag, value, "expected a whole number")

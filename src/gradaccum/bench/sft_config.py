@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from ..utils.choices import PACKINGS
 from ..utils.errors import BadInput
-from .config import _check_int
+from .config import check_counts, check_int
 from .sft_loops import PEERS
 
 
@@ -39,18 +39,10 @@ class SFTBenchConfig:
     """gradaccum's --packing modes to run."""
 
     def __post_init__(self):
-        for name, least in (
-            ("micro_batch", 1),
-            ("accum_steps", 1),
-            ("seq_len", 2),
-            ("rounds", 1),
-            ("windows", 1),
-            ("seed", 0),
-        ):
-            _check_int(name, getattr(self, name), least)
+        check_counts(self)
         if self.micro_batch_tokens is None:
             self.micro_batch_tokens = self.seq_len
-        _check_int("micro_batch_tokens", self.micro_batch_tokens, self.seq_len)
+        check_int("micro_batch_tokens", self.micro_batch_tokens, self.seq_len)
         if self.model_config is not None:
             path = self.model_config
             target = os.path.join(path, "config.json") if os.path.isdir(path) else path

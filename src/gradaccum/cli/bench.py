@@ -67,11 +67,7 @@ def add_parser(sub, name: str) -> None:
         help="--task sft: positions per micro-batch of gradaccum's window and padding-free "
         "modes, padding included (default: --seq-len)",
     )
-    flags.packing(
-        p,
-        help="--task sft: comma list of gradaccum's modes none, window, padding-free "
-        "(default: all)",
-    )
+    flags.packing(p, several=True)
     p.add_argument(
         "--peers",
         metavar="NAMES",

@@ -227,9 +227,23 @@ def micro_batch(group, *, default=None, filled_in=False, config=None) -> None:
     count(group, "--micro-batch", help=help, default=default, filled_in=filled_in, config=config)
 
 
-def packing(group, *, help: str = "", parse: Callable | None = None, default=None, config=None):
-    """--packing MODE: how a window's SFT examples become micro-batches (train, verify; a
-    command taking several modes reads a comma list with its own `parse`)."""
+def packing(
+    group,
+    *,
+    help: str = "",
+    parse: Callable | None = None,
+    default=None,
+    config=None,
+    several: bool = False,
+) -> None:
+    """--packing MODE: how a window's SFT examples become micro-batches. One mode (train,
+    verify); `several`: the modes a command runs side by side (bench), a comma list the
+    command reads itself, said so in the help (every command shows one metavar, MODE)."""
+    if not help and several:
+        help = (
+            "--task sft: MODE[,MODE...], a comma list of gradaccum's modes none, window, "
+            "padding-free to run side by side (default: all)"
+        )
     help = help or "--task sft: none, window or padding-free"
     _add(group, "--packing", help=help, config=config, parse=parse, default=default, metavar="MODE")
 

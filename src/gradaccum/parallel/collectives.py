@@ -6,6 +6,7 @@ when alone) on the device the process group's backend reduces on.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -97,6 +98,32 @@ def max_over_ranks(value: int, group=None) -> int:
     out = torch.tensor([value], dtype=torch.int64, device=collective_device(group))
     dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
     return int(out.item())
+
+
+class LaunchedMax:
+    """The largest of one integer over ranks, launched without waiting; `value()`
+    waits for it. On a gloo group the host only waits for the other ranks' hosts to reach
+    the same call, never for a device."""
+
+    def __init__(self, value: int, group=None):
+        self._out = torch.tensor([value], dtype=torch.int64, device=collective_device(group))
+        self._work = dist.all_reduce(self._out, op=dist.ReduceOp.MAX, group=group, async_op=True)
+
+    def value(self) -> int:
+        self._work.wait()
+        return int(self._out.item())
+
+
+def host_group(timeout_s: float | None = None):
+    """A group for flags only the hosts hold (a stop request, an out-of-memory error): gloo,
+    so that agreeing on them never waits on the device's queue of work. The default group
+    when it is gloo already or gloo is not built in (None); a new gloo group over the same
+    ranks otherwise (a collective call: every rank must make it, in the same order).
+    timeout_s: how long its collectives wait for the other ranks (--dist-timeout)."""
+    if not is_distributed() or dist.get_backend() == "gloo" or not dist.is_gloo_available():
+        return None
+    timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+    return dist.new_group(backend="gloo", timeout=timeout)
 
 
 def all_reduce_sum(values: torch.Tensor, group=None) -> torch.Tensor:

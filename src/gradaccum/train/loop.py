@@ -27,7 +27,7 @@ import torch
 from ..data.batches import Batches
 from ..engine.accumulator import Accumulator, StepResult
 from ..models.loss import causal_lm_loss
-from ..parallel import collectives, devices
+from ..parallel import devices
 from ..parallel.process_group import RankInfo, init_distributed, teardown
 from ..plan.sizes import fmt_count
 from ..utils.atomic import interrupted
@@ -120,7 +120,9 @@ class Run:
         """A --task sft run's data (`sft.SFTParts`); None for pretraining."""
         self.batches = self._make_batches(batch.micro_batch)
         self.window_examples = 0  # examples in the last window (--task sft), all ranks
-        self.recovery = Recovery(self.acc, self.batches, batch, rank_info, self._shrunk)
+        self.recovery = Recovery(
+            self.acc, self.batches, batch, rank_info, self._shrunk, config.dist_timeout
+        )
         self.state = RunState()
         self.progress: Progress | None = None  # the bar or log lines, while the loop runs
         self.clock = Clock()
@@ -301,7 +303,7 @@ class Run:
                 stop = signals.requested or (
                     "request" if should_stop and should_stop(self.acc.steps) else None
                 )
-                if bool(collectives.max_over_ranks(int(stop is not None))):
+                if self.recovery.agree_between_windows(stop is not None):
                     stopped = stop or "another rank"
                     break
                 if self.config.save_every and self.acc.steps % self.config.save_every == 0:
@@ -342,7 +344,7 @@ class Run:
         window = self.acc.begin_window(micro_batches)  # counts the window's tokens over ranks
         self.batch.k = window.micro_steps  # under torchrun, the most micro-batches a rank has
         for i in range(window.micro_steps):
-            agreed = self.recovery.agree(signals.requested is not None, i)
+            agreed = self.recovery.agree(signals.requested is not None, i, window.micro_steps)
             if agreed == OUT_OF_MEMORY:
                 return PEER_OUT_OF_MEMORY
             if agreed == STOP:

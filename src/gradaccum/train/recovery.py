@@ -1,13 +1,25 @@
 """Out of memory mid-window: the window abandoned, rewound and redone with a smaller
 micro-batch, on every rank at once; and a rank lost under torchrun, said in one line.
 
-Before each micro-batch the ranks agree (`Recovery.agree`, a MAX all-reduce) on GO, STOP (a
-stop request: the window is abandoned) or OUT_OF_MEMORY (a rank ran out of memory on the
-micro-batch before): ranks must abandon the same micro-step, or one waits in the last one's
-all-reduce. An abandoned window is rewound (nothing stepped, nothing counted, the data and
-the RNG back at its start, as the last checkpoint would be); after out of memory it is redone
-from its first micro-batch with the largest micro-batch of at most half the sequences that
-divides the old one, and k up by the same factor: the same tokens per step, the same data
+Under torchrun the ranks agree (`Recovery.agree`, a MAX all-reduce of one flag per micro-step
+on a gloo group, `collectives.host_group`) on GO, STOP (a stop request: the window is
+abandoned) or OUT_OF_MEMORY (a rank ran out of memory on the micro-batch before): ranks must
+abandon the same micro-step, or one waits in the last one's gradient all-reduce. The flag of
+micro-step i is launched before its forward and read before micro-step i+1's, so the host
+never waits for it while the device has work queued; only the window's last micro-step, whose
+backward carries the gradients' all-reduce, launches and reads its flag before its forward.
+A rank that ran out of memory on micro-step i reads micro-step i's flag and joins micro-step
+i+1's with OUT_OF_MEMORY; the others read it before micro-step i+2's forward, or before the
+last's (on one rank, no flags). So the others may run one micro-step the failed rank does
+not, always one of micro-steps 1 .. k-2: under DDP's no_sync those run no collective (DDP's
+forward broadcasts buffers only after a synced backward, i.e. in micro-step 0), so nothing
+waits on the failed rank there. A wrapper with collectives in every forward (FSDP2's
+all-gathers) would need each flag read before its own forward.
+
+An abandoned window is rewound (nothing stepped, nothing counted, the data and the RNG back at
+its start, as the last checkpoint would be); after out of memory it is redone from its first
+micro-batch with the largest micro-batch of at most half the sequences that divides the old
+one, and k up by the same factor: the same tokens per step, the same data
 (`BatchState.shrink`).
 """
 
@@ -24,7 +36,7 @@ from . import checkpoint
 from .batch_state import BatchState, smaller_micro_batch
 
 GO, STOP, OUT_OF_MEMORY = 0, 1, 2
-"""What the ranks agree on before each micro-batch (the largest wins)."""
+"""What the ranks agree on, one flag per micro-step (the largest wins)."""
 PEER_OUT_OF_MEMORY = "peer out of memory"
 """A window's answer when another rank ran out of memory in it."""
 
@@ -42,24 +54,48 @@ class Recovery:
         batch: BatchState,
         rank_info: RankInfo,
         report: Callable[[str, dict], None],
+        timeout_s: float | None = None,
     ):
         self.acc, self.batches, self.batch = acc, batches, batch
         self.rank_info, self.report = rank_info, report
         self.micro_index = -1
         """The micro-batch of the window in progress (-1 before its first)."""
+        alone = rank_info.world_size == 1
+        self.group = None if alone else collectives.host_group(timeout_s)
+        """Where the flags are agreed on (None: the default group)."""
+        self._pending: collectives.LaunchedMax | None = None
+        """The flag launched before the last micro-step's forward, not read yet."""
 
     def begin_window(self) -> None:
         """Before a window's micro-batches are fetched."""
         self.micro_index = -1
+        self._pending = None
 
-    def agree(self, stop_requested: bool, micro_index: int) -> int:
-        """Before micro-batch `micro_index` of the window: GO, STOP or OUT_OF_MEMORY, the
-        same on every rank."""
+    def agree(self, stop_requested: bool, micro_index: int, micro_steps: int) -> int:
+        """Before micro-batch `micro_index` of a window of `micro_steps`: GO, STOP or
+        OUT_OF_MEMORY, the same on every rank: the flags raised before the previous
+        micro-batch, and on the last micro-batch its own too (see the module docstring)."""
         self.micro_index = micro_index
         here = STOP if stop_requested else GO
         if self.rank_info.world_size == 1:
             return here
-        return collectives.max_over_ranks(here)
+        before = self._read_pending()
+        if before != GO:
+            return before
+        if micro_index == micro_steps - 1:
+            return collectives.max_over_ranks(here, self.group)
+        self._pending = collectives.LaunchedMax(here, self.group)
+        return GO
+
+    def agree_between_windows(self, stop: bool) -> bool:
+        """After a window: whether any rank asks to stop (one flag; on one rank, `stop`)."""
+        if self.rank_info.world_size == 1:
+            return stop
+        return bool(collectives.max_over_ranks(int(stop), self.group))
+
+    def _read_pending(self) -> int:
+        pending, self._pending = self._pending, None
+        return GO if pending is None else pending.value()
 
     def run(self, window: Callable[[], StepResult | str | None]) -> StepResult | None:
         """`window()` until it returns its StepResult; None when it answered None (a stop
@@ -75,8 +111,8 @@ class Recovery:
             # Rewound outside the handler: its traceback holds the window's tensors.
             if failed is None and isinstance(result, StepResult):
                 return result
-            if failed is not None:
-                self._tell_ranks(failed)
+            if failed is not None and not self._tell_ranks(failed):
+                failed, result = None, None  # another rank's stop came first: stop too
             self.acc.abandon_window()
             self.batches.position = position
             checkpoint.set_rng_state(rng)
@@ -85,14 +121,17 @@ class Recovery:
             self._shrink(failed or "on another rank")
             position = self.batches.position
 
-    def _tell_ranks(self, error: str) -> None:
-        """Under torchrun, after this rank ran out of memory on micro-batch i: the others are
-        about to agree before micro-batch i+1 (`agree`), so this rank joins that agreement
-        with OUT_OF_MEMORY and all redo the window. On the window's last micro-batch the
-        others may already be in the gradients' all-reduce: nothing to join, the run stops."""
+    def _tell_ranks(self, error: str) -> bool:
+        """Under torchrun, after this rank ran out of memory on micro-batch i: it reads
+        micro-step i's flag, which the others read before micro-batch i+1, and joins
+        micro-step i+1's with OUT_OF_MEMORY, so all redo the window (True). When micro-step
+        i's flag was a stop, the others stop there without another flag, and so does this
+        rank (False); when it was OUT_OF_MEMORY, another rank failed a micro-batch earlier and
+        told them already (True). On the window's last micro-batch the others may already be
+        in the gradients' all-reduce: nothing to join, the run stops."""
         info = self.rank_info
         if info.world_size == 1:
-            return
+            return True
         if not 0 <= self.micro_index < self.batch.k - 1:
             smaller = smaller_micro_batch(self.batch.micro_batch)
             advice = (
@@ -103,7 +142,10 @@ class Recovery:
                 f"outside the window's first k-1 micro-batches ({error}), where the ranks "
                 f"cannot redo it together; continue with {advice} (the tokens per step stay)"
             )
-        collectives.max_over_ranks(OUT_OF_MEMORY)
+        seen = self._read_pending()
+        if seen == GO:
+            collectives.max_over_ranks(OUT_OF_MEMORY, self.group)
+        return seen != STOP  # OUT_OF_MEMORY: another rank failed first and told them already
 
     def _shrink(self, error: str) -> None:
         """The batch shrunk (`BatchState.shrink`), the device's cache emptied, the event
