@@ -106,7 +106,7 @@ def test_precisions_and_built_in_presets_are_the_listed_ones():
         ("--seq-len", "1.5", "not a whole number"),
         ("--micro-batch", "0", "must be greater than zero"),
         ("--seed", "-1", "must not be negative"),
-        ("--model", "tiny2", "unknown preset; choose one of tiny, small, gpt2-124m"),
+        ("--model", "tiny2", "unknown preset; choose one of tiny, small, gpt2-124m, tiny-moe"),
     ],
 )
 def test_a_bad_value_of_a_shared_flag_is_refused_in_the_same_words_everywhere(

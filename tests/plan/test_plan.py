@@ -116,6 +116,16 @@ def test_steps_time_flops_by_hand():
     assert plan.flops_total == 6 * P7 * 1000 * 4_194_304
 
 
+def test_a_mixture_of_experts_counts_the_flops_of_its_active_parameters_only():
+    """Memory holds every parameter; each token runs through its top-k experts' share."""
+    common = dict(target_tokens=2**20, seq_len=1024, micro_batch=4, steps=10, params=8 * 10**9)
+    dense = make_plan(PlanInputs(**common))
+    moe = make_plan(PlanInputs(**common, active_params=2 * 10**9))
+    assert moe.flops_total == 6 * 2 * 10**9 * 10 * 2**20
+    assert dense.flops_total == 4 * moe.flops_total
+    assert moe.memory.params_gb == dense.memory.params_gb == 16.0  # bf16: 2 bytes each
+
+
 def test_total_tokens_rounds_steps_up():
     plan = make_plan(
         PlanInputs(target_tokens=2**20, seq_len=1024, micro_batch=8, total_tokens=10**9)

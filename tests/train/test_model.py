@@ -20,10 +20,13 @@ def small_gpt(dropout=0.0, seed=0, **kw):
     return GPT(GPTConfig(**cfg))
 
 
-def hand_param_count(V, T, L, C):
-    # embeddings + per block (2 LayerNorms 4C, qkv 3C^2+3C, proj C^2+C, fc 4C^2+4C,
-    # fc proj 4C^2+C) + final LayerNorm; the head is the token embedding.
-    return V * C + T * C + L * (12 * C * C + 13 * C) + 2 * C
+def hand_param_count(V, T, L, C, E=0):
+    # embeddings + per block (2 LayerNorms 4C, qkv 3C^2+3C, proj C^2+C, an MLP of fc 4C^2+4C
+    # and fc proj 4C^2+C, or E of them and a bias-free router E*C) + final LayerNorm; the
+    # head is the token embedding.
+    mlp = 8 * C * C + 5 * C
+    ffn = mlp if E == 0 else E * mlp + E * C
+    return V * C + T * C + L * (4 * C * C + 8 * C + ffn) + 2 * C
 
 
 def test_forward_shape():
@@ -55,7 +58,7 @@ def test_param_count_matches_formula(preset):
     with torch.device("meta"):
         model, info = build_model(preset=preset, vocab_size=V, seq_len=T)
     p = PRESETS[preset]
-    expected = hand_param_count(V, T, p["n_layer"], p["n_embd"])
+    expected = hand_param_count(V, T, p["n_layer"], p["n_embd"], p.get("n_expert", 0))
     assert model.num_params() == info.params == expected
     assert (info.layers, info.hidden, info.heads) == (p["n_layer"], p["n_embd"], p["n_head"])
 

@@ -29,6 +29,7 @@ from ..utils.choices import (
     BUILTIN_MODELS,
     DEFAULT_MODEL,
     DEVICES,
+    MOE_BALANCES,
     PRECISIONS,
     TASKS,
     check_builtin_model,
@@ -248,6 +249,18 @@ def packing(
     _add(group, "--packing", help=help, config=config, parse=parse, default=default, metavar="MODE")
 
 
+def moe_balance(group, *, help: str = "", config=None) -> None:
+    """--moe-balance MODE: how a mixture of experts' load-balancing loss is balanced over a
+    window (train, verify; `utils.choices.MOE_BALANCES`, `gradaccum.models.balance`). None
+    when not given: the command picks "global" for an MoE model and none for a dense one."""
+    help = help or (
+        "mixture of experts: the load-balancing loss per micro-batch (micro), over the whole "
+        "window from a routing pass (global, exact), or with the previous window's token "
+        "fractions (global-previous, no extra pass) (default global for an MoE model)"
+    )
+    _add(group, "--moe-balance", help=help, config=config, choices=MOE_BALANCES, metavar="MODE")
+
+
 def micro_batch_tokens(group, *, help: str = "", config=None) -> None:
     """--micro-batch-tokens N: positions per micro-batch, padding included (--task sft)."""
     help = help or "--task sft: positions per micro-batch, padding included"
@@ -331,5 +344,6 @@ SHARED = {
     "lora_targets": lora_targets,
     "packing": packing,
     "micro_batch_tokens": micro_batch_tokens,
+    "moe_balance": moe_balance,
 }
 """Shared flags by dest, for `gradaccum train`, whose flags come from TrainConfig's fields."""

@@ -80,6 +80,12 @@ def add_parser(sub, name: str) -> None:
     flags.count(time, "--total-tokens", help="tokens to train on (steps round up)")
     cost = p.add_argument_group("model and cost")
     flags.count(cost, "--params", help="parameter count (7B)")
+    flags.count(
+        cost,
+        "--active-params",
+        help="parameters each token runs through, for a mixture of experts (47B total, 13B "
+        "active): FLOPs and time count these, memory every parameter (default: all)",
+    )
     flags.count(cost, "--layers", help="model shape: blocks")
     flags.count(cost, "--hidden", help="model shape: width")
     flags.count(cost, "--heads", help="model shape: attention heads")

@@ -41,6 +41,7 @@ window padded into one unpacked batch. Examples:
   gradaccum verify --task sft --packing padding-free
   gradaccum verify --model-config path/to/config.json --k 8 --precision bf16
   gradaccum verify --world-size 2          # also DDP and FSDP2 over 2 gloo processes on CPU
+  gradaccum verify --model tiny-moe --moe-balance micro   # a mixture of experts
   gradaccum verify --precision-study --plot study.png
 """
 
@@ -56,6 +57,13 @@ def add_parser(sub, name: str) -> None:
     model = p.add_argument_group("model (one of)")
     flags.model(model)
     flags.model_config(model)
+    flags.moe_balance(
+        model,
+        help="a mixture of experts: the load-balancing loss checked per micro-batch (micro), "
+        "over the whole window from a routing pass (global), or with the previous window's "
+        "token fractions (global-previous, over 2 windows); against a big batch whose loss "
+        "takes the whole window's (default global for an MoE model)",
+    )
     data = p.add_argument_group("the window")
     flags.task(
         data,

@@ -16,6 +16,7 @@ import torch
 from .. import hf, testing
 from ..data.tokenizers import ByteTokenizer
 from ..models.build import build_model
+from ..models.router import moe_spec
 from ..testing import EquivalenceSetup, check_equivalences
 from ..utils.errors import BadInput
 from ..verification.check import (
@@ -26,6 +27,7 @@ from ..verification.check import (
     verify,
 )
 from ..verification.lint import quiet_rng
+from ..verification.moe_check import check_mode
 from ..verification.precision_study import (
     StudyPoint,
     derive_tolerances,
@@ -150,31 +152,17 @@ def _check_fits(case: _Case, sizes: dict) -> None:
 def run(args) -> int:
     sizes = parse_sizes(args)
     case = build_case(args, sizes)
+    moe = _moe_mode(args, case, sizes)
     _check_fits(case, sizes)
     progress = _progress(sizes)
-    window = None
-    if args.task == "sft":
-        layout = "shifted" if case.shifted else "unshifted"
-        window = sft_window(
-            args.data,
-            sizes["k"],
-            sizes["micro_batch"],
-            sizes["seq_len"],
-            sizes["seed"],
-            layout,
-            args.packing,
-            args.micro_batch_tokens,
-        )
-        batches = window.micro_batches
-    else:
-        batches = sample_batches(
-            sizes["k"],
-            sizes["micro_batch"],
-            sizes["seq_len"],
-            case.vocab_size,
-            sizes["seed"],
-            case.shifted,
-        )
+    window = _sft(args, case, sizes, sizes["seed"]) if args.task == "sft" else None
+    batches = window.micro_batches if window is not None else _sample(case, sizes, sizes["seed"])
+    previous = None
+    if moe == "global-previous":  # the window before, another draw of the same kind
+        before = sizes["seed"] + 1
+        sft = window is not None
+        previous = _sft(args, case, sizes, before).micro_batches if sft else None
+        previous = previous or _sample(case, sizes, before)
     report = verify(
         case.model,
         batches,
@@ -184,6 +172,9 @@ def run(args) -> int:
         big_batch=window.big_batch if window is not None else None,
         seed=sizes["seed"],
         progress=progress,
+        moe_balance=moe,
+        moe_shift=not case.shifted,
+        previous_window=previous,
     )
     if sizes["world_size"] > 1 and progress is not None:
         progress(f"{sizes['world_size']} gloo ranks, DDP and FSDP2, against one process")
@@ -200,6 +191,52 @@ def run(args) -> int:
     else:
         print(render(case.description, sizes, report, world, study, window))
     return 0 if passed else 1
+
+
+def _moe_mode(args, case: _Case, sizes: dict) -> str | None:
+    """The load-balancing mode checked (`moe_check.check_mode`), refused in one line where
+    this check cannot take it: over ranks, or on packed rows."""
+    mode = check_mode(case.model, args.moe_balance)
+    if mode is None:
+        return None
+    if sizes["world_size"] > 1:
+        raise BadInput(
+            "--world-size",
+            sizes["world_size"],
+            f"a mixture of experts (--moe-balance {mode}) is checked on one process; "
+            "leave out --world-size",
+        )
+    if args.task == "sft" and args.packing != "none":
+        raise BadInput(
+            "--packing",
+            args.packing,
+            f"a mixture of experts (--moe-balance {mode}) is checked on padded micro-batches: "
+            "--packing none",
+        )
+    return mode
+
+
+def _sft(args, case: _Case, sizes: dict, seed: int) -> SFTWindow:
+    layout = "shifted" if case.shifted else "unshifted"
+    return sft_window(
+        args.data,
+        sizes["k"],
+        sizes["micro_batch"],
+        sizes["seq_len"],
+        seed,
+        layout,
+        args.packing,
+        args.micro_batch_tokens,
+    )
+
+
+def _sample(case: _Case, sizes: dict, seed: int) -> list[dict]:
+    """Ragged token sequences; with an attention_mask for a mixture of experts, whose
+    load-balancing loss counts the real tokens by it."""
+    moe = moe_spec(case.model) is not None
+    return sample_batches(
+        sizes["k"], sizes["micro_batch"], sizes["seq_len"], case.vocab_size, seed, case.shifted, moe
+    )
 
 
 def _window_dict(window: SFTWindow) -> dict:
@@ -311,7 +348,9 @@ def render(
     window: SFTWindow | None = None,
 ) -> str:
     """The whole human-readable output; `window`: the SFT window of --task sft."""
-    verdict = "PASS" if report.passed else "FAIL"
+    # the cross-entropy's own verdict; a mixture of experts' balance has its own row
+    verdict = "PASS" if report.max_rel_err <= report.tolerance else "FAIL"
+    first_row = "accumulated (gradaccum)" + (", cross-entropy" if report.moe else "")
     what = (
         f"k = {report.micro_steps} micro-batches of {sizes['micro_batch']} sequences "
         f"(ragged, up to {sizes['seq_len']} tokens), {report.tokens:,} valid tokens"
@@ -323,13 +362,14 @@ def render(
         f"window: {what}, {report.precision}; reference: one big batch in {report.reference}",
         "",
         f"  {'':<{W}}{'max rel err':>12}",
-        f"  {'accumulated (gradaccum)':<{W}}{report.max_rel_err:>12.2e}   {verdict}",
+        f"  {first_row:<{W}}{report.max_rel_err:>12.2e}   {verdict}",
         f"  tolerance {report.tolerance:g} ({TOLERANCE_SOURCE})",
         f"  cosine min {report.cosine_min:.9f}, max abs err {report.max_abs_err:.2e}; "
         f"after one AdamW step (lr 1e-3) max |p - p_big| {report.param_max_abs_err:.2e}",
         "",
         *_render_ways(report),
         "",
+        *_render_moe(report.moe),
         *_render_lint(report),
         *_render_world(world),
         *(_render_study(study) if study is not None else []),
@@ -346,6 +386,30 @@ def _render_ways(report) -> list[str]:
     worst = sorted(report.params, key=lambda p: -p.rel_err)[:3]
     lines.append("  worst parameters: " + ", ".join(f"{p.name} {p.rel_err:.1e}" for p in worst))
     return lines
+
+
+def _render_moe(moe) -> list[str]:
+    """The load-balancing lines of a mixture of experts (`VerifyReport.moe`)."""
+    if moe is None:
+        return []
+    verdict = "PASS" if moe.passed else "FAIL"
+    head = "mixture of experts: cross-entropy + load-balancing loss"
+    against = "the first window's f" if moe.mode == "global-previous" else "the whole window's f"
+    lines = [
+        f"  {head:<{W}}{'max rel err':>12}",
+        f"  {'--moe-balance ' + moe.mode:<{W}}{moe.grad_rel_err:>12.2e}   {verdict}",
+        f"  {moe.layers} MoE layers, {moe.n_expert} experts, top-{moe.top_k}, coef {moe.coef:g}; "
+        f"against one {moe.reference} big batch whose loss takes {against}",
+        f"  and its own P over its {moe.tokens:,} tokens; the loss trained {moe.aux_loss:.6g}, "
+        f"the window's {moe.lbl:.6g}",
+    ]
+    if moe.mode != "micro":
+        label = "the loss computed per micro-batch (--moe-balance micro)"
+        lines.append(f"  {label:<{W}}{moe.micro_rel_err:>12.2e}")
+    if moe.stale_rel_err is not None:
+        label = "the second window against its own f (one window stale in f)"
+        lines.append(f"  {label:<{W}}{moe.stale_rel_err:>12.2e}")
+    return [*lines, ""]
 
 
 def _render_lint(report) -> list[str]:

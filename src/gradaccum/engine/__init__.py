@@ -8,7 +8,9 @@
 - `grad_store`: where the window's gradient lives (fp32 buffers for 16-bit parameters, master
   weights) until the optimizer takes it;
 - `precision`: autocast for a precision name and the fp16 loss scaler;
-- `noise`: the gradient noise scale from the per-micro-batch gradients.
+- `noise`: the gradient noise scale from the per-micro-batch gradients;
+- `balance`: a mixture of experts' load-balancing loss weighted for the window (`Balance`,
+  also `gradaccum.moe`); not imported here, it loads the models' router code.
 """
 
 from .accumulator import Accumulator, LossFn, count_labels, windows

@@ -220,7 +220,12 @@ class Accumulator:
         self._last_batch = last
         return window.finish()
 
-    def begin_window(self, micro_batches: Sequence | int, tokens: int | None = None) -> Window:
+    def begin_window(
+        self,
+        micro_batches: Sequence | int,
+        tokens: int | None = None,
+        extra_sums: torch.Tensor | None = None,
+    ) -> Window:
         """Start a window by hand (for users who write their own inner loop).
 
         `micro_batches` is the window's list (tokens are counted from it) or just its length;
@@ -229,8 +234,12 @@ class Accumulator:
         (or `w.abandon()`). The window must run exactly `w.micro_steps` micro-steps (under
         torchrun the largest count over ranks), one backward each, or it is refused with
         nothing stepped; it is used once. The length may differ from one window to the next.
+        `extra_sums`: a 1-d int64 CPU tensor of this rank's own counts, summed over ranks in
+        the same all-gather that agrees on the window's size (no collective of its own) and
+        exposed as `w.extra_sums`; every rank must pass the same length (the MoE balance's
+        routed tokens and expert counts: `gradaccum.models.balance`).
         """
-        return self._begin(micro_batches, tokens, has_batch=True)
+        return self._begin(micro_batches, tokens, has_batch=True, extra_sums=extra_sums)
 
     def abandon_window(self) -> None:
         """Drop a window's partial gradients after a failed micro-batch (out of memory):
@@ -258,7 +267,13 @@ class Accumulator:
         if self.noise is not None:
             self.noise.abandon()
 
-    def _begin(self, micro_batches: Sequence | int, tokens: int | None, has_batch: bool) -> Window:
+    def _begin(
+        self,
+        micro_batches: Sequence | int,
+        tokens: int | None,
+        has_batch: bool,
+        extra_sums: torch.Tensor | None = None,
+    ) -> Window:
         if self._open is not None:
             w = self._open
             raise RuntimeError(
@@ -274,15 +289,17 @@ class Accumulator:
         counted = self._count_local(micro_batches) if tokens is None else int(tokens)
         known = counted is not None and self.normalize == "tokens"
         capacity = None if known else _label_capacity(micro_batches)
-        size = collectives.WindowSize(counted or 0, local_steps, capacity)
+        extra = collectives.extra_vector(extra_sums)
+        size = collectives.WindowSize(counted or 0, local_steps, capacity, extra)
         if self.dp.averages_over_ranks:
             size = collectives.agree_on_window_size(
-                counted or 0, local_steps, self.dp.group, has_batch, capacity
+                counted or 0, local_steps, self.dp.group, has_batch, capacity, extra
             )
         floor = self._tokens_per_micro_step * size.micro_steps
         window = Window(
             self, size.micro_steps, size.tokens if known else None, size.capacity, floor
         )
+        window.extra_sums = size.extra_sums
         if self.noise is not None and not isinstance(micro_batches, int):
             window.sequences = _count_rows(micro_batches)
         self._open = window

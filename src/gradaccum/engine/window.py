@@ -74,6 +74,10 @@ class StepResult:
     noise: NoiseEstimate | None = None
     """The gradient noise scale after this window (`Accumulator(noise_scale=True)`); None
     when off, or before the first window of at least 2 micro-batches over all ranks."""
+    aux_loss: float | None = None
+    """The auxiliary terms given to `Window.backward(..., aux=)` (already normalized for the
+    window, e.g. the MoE load-balancing loss), summed over micro-batches and ranks (weight-0
+    repeats left out); None when no rank gave one. Not part of `loss`."""
 
 
 def backward_scale(
@@ -112,6 +116,7 @@ class _Measured:
     lr: float
     loss_scale: float | None
     noise_sums: list[float] = field(default_factory=list)  # sum_i n_i |g_i|^2, n, sequences
+    aux: float | None = None  # the aux terms summed over the window; None when none given
 
     @property
     def finite(self) -> bool:
@@ -153,6 +158,11 @@ class Window:
         # Running sums (on the device, no host sync): nothing per micro-batch outlives it.
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=acc.device)
         self._tokens_seen = torch.zeros((), dtype=torch.float64, device=acc.device)
+        self._aux_sum = torch.zeros((), dtype=torch.float64, device=acc.device)
+        self._aux_given = 0  # micro-steps that passed an aux term (host-side count)
+        self.extra_sums: torch.Tensor | None = None
+        """The int64 counts given to `begin_window(extra_sums=)`, summed over ranks (this
+        rank's own with one process); None when none were given."""
         self._traffic_start = acc.store.traffic()
         self.sequences = 0
         """This rank's sequences (rows) in the window, for the noise scale in sequences."""
@@ -215,14 +225,30 @@ class Window:
         self._in_micro = False
         self._index += 1
 
-    def backward(self, loss_sum: torch.Tensor, num_tokens, weight: float = 1.0) -> None:
+    def backward(
+        self,
+        loss_sum: torch.Tensor,
+        num_tokens,
+        weight: float = 1.0,
+        aux: torch.Tensor | None = None,
+    ) -> None:
         """Backward of one micro-batch's summed loss, scaled so that the window adds up to the
         token mean (or the micro-batch mean, if the Accumulator was built that way). Once per
         micro-step, inside it. Weight 0 marks a repeated batch that only joins the
-        collectives."""
-        self.run_backward(loss_sum, num_tokens, weight, "Window.backward got")
+        collectives.
 
-    def run_backward(self, loss_sum, num_tokens, weight: float, source: str) -> None:
+        aux: a 0-d tensor (with its graph) already normalized for the window, so that the
+        window's terms summed over micro-batches and ranks are the objective's auxiliary term
+        (the MoE load-balancing loss, `gradaccum.models.balance`). It is added to the loss's
+        backward undivided by N: times `world` where the wrapper averages over ranks and
+        times the fp16 loss scale (`backward_scale` with tokens=1). Weight 0 drops it too.
+        Refused when normalize="tokens" and N was not counted up front (the end-of-window
+        correction to N would rescale it). Reported summed in `StepResult.aux_loss`."""
+        self.run_backward(loss_sum, num_tokens, weight, "Window.backward got", aux)
+
+    def run_backward(
+        self, loss_sum, num_tokens, weight: float, source: str, aux: torch.Tensor | None = None
+    ) -> None:
         """`backward`, its errors naming `source` ("loss_fn returned" from `Accumulator.step`)."""
         if not self._in_micro:
             self._require_open("backward()")
@@ -237,6 +263,8 @@ class Window:
             )
         acc = self.acc
         loss = checked_loss(loss_sum, num_tokens, source)
+        if aux is not None:
+            self._check_aux(aux, source)
         if acc.normalize == "micro_batch_mean":
             loss = loss / torch.as_tensor(num_tokens, device=loss.device).clamp(min=1)
         if self._scale is None:
@@ -245,6 +273,12 @@ class Window:
             self._loss_sum.add_(loss.detach())
             self._tokens_seen.add_(num_tokens)
         scaled = loss * (self._scale if weight else 0.0)
+        if aux is not None:
+            self._aux_given += 1
+            if weight:
+                self._aux_sum.add_(aux.detach().reshape(()).to(self._aux_sum))
+            if aux.requires_grad:  # weight 0 keeps its graph too: the same parameters used
+                scaled = scaled + aux.reshape(()) * (self._aux_scale() if weight else 0.0)
         if acc.autocast_dtype is None:
             scaled.backward()
         else:
@@ -254,6 +288,27 @@ class Window:
         self._backwards += 1
         if acc.noise is not None:  # its hooks saw this backward's gradients, scaled
             acc.noise.end_micro(self._scale if weight else 0.0, num_tokens)
+
+    def _check_aux(self, aux, source: str) -> None:
+        """The aux term's contract: a one-element tensor, N known up front (tokens mode)."""
+        if not isinstance(aux, torch.Tensor) or aux.numel() != 1:
+            is_tensor = isinstance(aux, torch.Tensor)
+            what = f"shape {tuple(aux.shape)}" if is_tensor else type(aux).__name__
+            raise ValueError(f"{source} aux of {what}: expected a 0-d tensor")
+        if self.acc.normalize == "tokens" and self.tokens is None:
+            raise ValueError(
+                f"{source} an aux term in a window whose N is not known up front (the "
+                "correction to N at its end would rescale the aux term too): count the tokens "
+                "before the window (Accumulator(count_tokens=...) or begin_window(tokens=...))"
+            )
+
+    def _aux_scale(self) -> float:
+        """An aux term's backward scale: the loss's without the division by N."""
+        acc = self.acc
+        averages = acc.dp.averages_over_ranks and not acc.store.manual_sync
+        return backward_scale(
+            "tokens", 1, self.micro_steps, self._world, averages, acc.scaler.scale
+        )
 
     def _estimated_scale(self, first_tokens) -> float:
         # Neither N nor the label elements are known: estimate N as the first micro-batch's
@@ -340,21 +395,23 @@ class Window:
 
     def _measure(self, grads: list[torch.Tensor]) -> _Measured:
         acc = self.acc
-        sums = torch.stack([self._loss_sum, self._tokens_seen])
+        given = torch.full_like(self._aux_sum, float(self._aux_given))
+        sums = torch.stack([self._loss_sum, self._tokens_seen, self._aux_sum, given])
         if acc.noise is not None:  # they travel in the window's one small all-reduce
             rows = torch.tensor([float(self.sequences)], dtype=sums.dtype, device=sums.device)
             sums = torch.cat([sums, acc.noise.local_sums().to(sums.device), rows])
         if acc.dp.averages_over_ranks:
             sums = collectives.all_reduce_sum(sums, acc.dp.group)
-        loss_total, seen = sums[0], sums[1]
+        loss_total, seen, aux_sums = sums[0], sums[1], sums[2:4]
         n_tokens = seen if self.tokens is None else torch.full_like(seen, self.tokens)
         if acc.normalize == "tokens":
             loss = loss_total / n_tokens.clamp(min=1)
         else:
             loss = loss_total / (self.micro_steps * self._world)
         norm = total_norm(grads, acc.device).double().to(loss.device)
-        figures = torch.cat([torch.stack([loss, norm, n_tokens, seen]), sums[2:]]).tolist()
-        loss_f, norm_f, tokens_f, seen_f = figures[:4]
+        head = torch.stack([loss, norm, n_tokens, seen])
+        figures = torch.cat([head, aux_sums, sums[4:]]).tolist()
+        loss_f, norm_f, tokens_f, seen_f, aux_f, aux_given = figures[:6]
         if acc.normalize == "tokens" and self.micro_steps and round(seen_f) != round(tokens_f):
             raise ValueError(
                 f"loss_fn reported {round(seen_f)} valid tokens over the window, but its "
@@ -368,7 +425,8 @@ class Window:
         loss_scale = acc.scaler.scale if acc.scaler.enabled else None
         lr = float(acc.optimizer.param_groups[0]["lr"])
         measured = _Measured(loss_f, norm_f * unscale, tokens_f, unscale, lr, loss_scale)
-        measured.noise_sums = figures[4:]
+        measured.noise_sums = figures[6:]
+        measured.aux = aux_f if aux_given else None
         return measured
 
     def _step(self, grads: list[torch.Tensor], measured: _Measured) -> None:
@@ -404,6 +462,7 @@ class Window:
             grad_collectives=collectives,
             grad_bytes=nbytes,
             noise=None if self.acc.noise is None else self.acc.noise.last,
+            aux_loss=measured.aux,
         )
 
 

@@ -2,7 +2,9 @@
 built from a config or read from a folder, their export, LoRA adapters, the loss and the
 optimizer.
 
-- `gradaccum.models.gpt`: the built-in GPT (presets: `gradaccum.utils.choices.BUILTIN_MODELS`).
+- `gradaccum.models.gpt`: the built-in GPT (presets: `gradaccum.utils.choices.BUILTIN_MODELS`);
+  `moe`: its mixture-of-experts layer; `router`: router logits of the built-in GPT and of
+  Hugging Face MoE models, and the top-k counts the load-balancing loss is made of.
 - `gradaccum.models.build`: `build_model`, from a preset, a Hugging Face config or a folder;
   `info`: `ModelInfo`, what was built; `hf_config`: a Hugging Face model from its config.
 - `gradaccum.models.loss`: the token-sum causal-LM loss (`token_sum_loss`, `causal_lm_loss`;

@@ -75,6 +75,7 @@ def gpt_info(model: GPT, source: str) -> ModelInfo:
         vocab_size=cfg.vocab_size,
         seq_len=cfg.seq_len,
         config={"model_type": GPT_MODEL_TYPE, **asdict(cfg)},
+        active_params=model.active_params() if cfg.n_expert else None,
     )
 
 

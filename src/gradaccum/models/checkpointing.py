@@ -13,9 +13,13 @@ import torch
 
 
 def first_block(model: torch.nn.Module) -> torch.nn.Module | None:
-    """The first transformer block: element 0 of the longest ModuleList (None if none)."""
+    """The first transformer block: element 0 of the longest ModuleList that is not inside
+    another's elements (a mixture of experts' list of experts, inside a block, can be longer
+    than the list of blocks); None if there is none."""
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
-    return max(lists, key=len)[0] if lists else None
+    nested = {id(inner) for outer in lists for item in outer for inner in item.modules()}
+    outer = [m for m in lists if id(m) not in nested]
+    return max(outer, key=len)[0] if outer else None
 
 
 def set_checkpointing(model: torch.nn.Module, enabled: bool) -> bool:

@@ -9,8 +9,15 @@ those it would have alone. Its parameter count is
 
     V*C + T*C + L*(12*C*C + 13*C) + 2*C        (V vocab, T seq_len, L layers, C width)
 
-with the tied head counted once. Building it from a preset, or a Hugging Face model from a
-config or a folder instead, is `gradaccum.models.build.build_model`.
+with the tied head counted once. With `n_expert` E > 0 every block's MLP is a mixture of E
+such MLPs with a bias-free router (`gradaccum.models.moe`, top-`expert_top_k` routing), and
+the count is
+
+    V*C + T*C + L*(4*C*C + 8*C + E*C + E*(8*C*C + 5*C)) + 2*C
+
+of which a token runs through the same with k experts in place of E in the last term (the
+router's E*C stays: `GPT.active_params`). Building it from a preset, or a Hugging Face model
+from a config or a folder instead, is `gradaccum.models.build.build_model`.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .document_mask import block_causal_mask, positions_from_documents
+from .moe import MoE, MoEOutput
 
 # The `model_type` written into config.json for this GPT, so a checkpoint folder says which
 # kind of model it holds (Hugging Face configs carry their own model_type).
@@ -44,6 +52,13 @@ class GPTConfig:
     """Width of the residual stream."""
     dropout: float = 0.0
     """Dropout probability on embeddings, attention and MLP outputs (0 keeps runs exact)."""
+    n_expert: int = 0
+    """Experts per block's MLP (mixture of experts); 0: one dense MLP, as GPT-2."""
+    expert_top_k: int = 2
+    """Experts each token is routed to, at most n_expert (read only when n_expert > 0)."""
+    router_aux_coef: float = 0.01
+    """Coefficient of the router's load-balancing loss (`gradaccum.models.balance`), as
+    Hugging Face's `router_aux_loss_coef`."""
 
     def __post_init__(self):
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "n_embd"):
@@ -56,6 +71,21 @@ class GPTConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        for name in ("n_expert", "expert_top_k"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"GPTConfig.{name} must be a whole number >= 0, got {value!r}")
+        if self.n_expert and not 1 <= self.expert_top_k <= self.n_expert:
+            raise ValueError(
+                f"GPTConfig.expert_top_k {self.expert_top_k} must be between 1 and n_expert "
+                f"{self.n_expert}"
+            )
+        coef = self.router_aux_coef
+        if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not coef >= 0:
+            raise ValueError(f"GPTConfig.router_aux_coef must be >= 0, got {coef!r}")
 
 
 class CausalSelfAttention(nn.Module):
@@ -101,11 +131,20 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(cfg.n_embd)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd)
-        self.mlp = MLP(cfg)
+        if cfg.n_expert:
+            self.mlp = MoE(cfg.n_embd, cfg.n_expert, cfg.expert_top_k, lambda: MLP(cfg))
+        else:
+            self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the block's output, its router logits (b * T, E); None for a dense MLP)."""
         x = x + self.attn(self.ln_1(x), mask)
-        return x + self.mlp(self.ln_2(x))
+        if isinstance(self.mlp, MoE):
+            y, router_logits = self.mlp(self.ln_2(x))
+            return x + y, router_logits
+        return x + self.mlp(self.ln_2(x)), None
 
 
 class GPT(nn.Module):
@@ -135,7 +174,8 @@ class GPT(nn.Module):
     def _init_weights(module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            nn.init.zeros_(module.bias)
+            if module.bias is not None:  # the MoE router has none
+                nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
@@ -147,19 +187,48 @@ class GPT(nn.Module):
         """Parameters, the tied output head counted once (it is the token embedding)."""
         return sum(p.numel() for p in self.parameters())
 
+    def active_params(self) -> int:
+        """Parameters one token runs through: `num_params` less the experts it is not routed
+        to (each MoE block's E - k experts); `num_params` for a dense model."""
+        cfg = self.config
+        if not cfg.n_expert:
+            return self.num_params()
+        expert = sum(p.numel() for p in self.blocks[0].mlp.experts[0].parameters())
+        return self.num_params() - cfg.n_layer * (cfg.n_expert - cfg.expert_top_k) * expert
+
     def forward(
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        output_router_logits: bool = False,
+    ) -> torch.Tensor | MoEOutput:
         """Logits (b, T, vocab) of input_ids (b, T).
 
         position_ids (b, T): each token's position (default 0 .. T-1, or restarting at each
         document when document_ids is given); every one must be < seq_len, and without them
         T must be <= seq_len. document_ids (b, T): each token's document, each document's
         tokens consecutive; attention then stays within the document (causal, SDPA with a
-        boolean block mask). Without both: causal attention over the whole row, as always."""
+        boolean block mask). Without both: causal attention over the whole row, as always.
+        output_router_logits: return a `MoEOutput` (`.logits`, `.router_logits`: a (b * T, E)
+        tensor per MoE block, empty for a dense model) instead of the logits alone."""
+        x, router_logits = self._trunk(input_ids, position_ids, document_ids)
+        # The head is the token embedding itself (tied), so there is no second V x C matrix.
+        logits = F.linear(self.ln_f(x), self.wte.weight)
+        return MoEOutput(logits, router_logits) if output_router_logits else logits
+
+    def router_logits(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, ...]:
+        """The router logits `forward(..., output_router_logits=True)` gives, without the
+        final LayerNorm and the output head (the MoE balance's routing pass)."""
+        return self._trunk(input_ids, position_ids, document_ids)[1]
+
+    def _trunk(self, input_ids, position_ids, document_ids):
+        """(the residual stream after the last block (b, T, C), each MoE block's logits)."""
         t = input_ids.shape[1]
         if position_ids is None and document_ids is not None:
             position_ids = positions_from_documents(document_ids)
@@ -171,10 +240,12 @@ class GPT(nn.Module):
             position_ids = torch.arange(t, device=input_ids.device)
         mask = None if document_ids is None else block_causal_mask(document_ids)
         x = self.drop(self.wte(input_ids) + self.wpe(position_ids))
+        router_logits = []
         for block in self.blocks:
             if self.activation_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(block, x, mask, use_reentrant=False)
+                x, logits = checkpoint(block, x, mask, use_reentrant=False)
             else:
-                x = block(x, mask)
-        # The head is the token embedding itself (tied), so there is no second V x C matrix.
-        return F.linear(self.ln_f(x), self.wte.weight)
+                x, logits = block(x, mask)
+            if logits is not None:
+                router_logits.append(logits)
+        return x, tuple(router_logits)

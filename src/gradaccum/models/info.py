@@ -27,6 +27,11 @@ class ModelInfo:
     """Longest sequence the model reads, in tokens."""
     config: dict
     """What to write to a checkpoint's config.json so `init_from` can rebuild the model."""
+    active_params: int | None = None
+    """Parameters one token runs through: a mixture of experts counts only the top-k experts
+    each token is routed to (the built-in GPT's `active_params`); None: all of `params`
+    (a dense model, or a Hugging Face model, not counted). FLOPs per token are about 6 times
+    this, memory holds `params`."""
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -5,7 +5,7 @@ when alone) on the device the process group's backend reduces on.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -46,6 +46,9 @@ class WindowSize:
     capacity: int | None
     """Label elements over all ranks (an upper bound of N, padding included); None unless
     every rank could read its own."""
+    extra_sums: torch.Tensor | None = field(default=None, compare=False)
+    """The callers' own int64 counts (`agree_on_window_size(extra_sums=...)`), summed over
+    ranks elementwise, on the CPU; None when none were given."""
 
 
 def agree_on_window_size(
@@ -54,6 +57,7 @@ def agree_on_window_size(
     group=None,
     has_batch: bool = True,
     capacity: int | None = None,
+    extra_sums: torch.Tensor | None = None,
 ) -> WindowSize:
     """Sum token counts and label capacities and take the largest micro-step count over
     ranks, in one collective.
@@ -62,16 +66,22 @@ def agree_on_window_size(
     passes to join. `has_batch` says whether this rank has any batch to run those passes on
     (its own, or one it repeats with weight 0); when some rank has none, every rank raises
     the same error instead of the others waiting for it in a collective.
+    extra_sums: a 1-d int64 tensor of counts of the caller's own (the MoE balance's routed
+    tokens and expert counts, `gradaccum.models.balance`), appended to each rank's vector of
+    the same all-gather and summed over ranks; every rank must pass the same length.
     """
+    extra = extra_vector(extra_sums)
     if not is_distributed(group):
-        return WindowSize(local_tokens, local_micro_steps, capacity)
+        return WindowSize(local_tokens, local_micro_steps, capacity, extra)
     cap = -1 if capacity is None else capacity
-    mine = torch.tensor([local_tokens, local_micro_steps, int(has_batch), cap], dtype=torch.int64)
+    head = torch.tensor([local_tokens, local_micro_steps, int(has_batch), cap], dtype=torch.int64)
+    mine = head if extra is None else torch.cat([head, extra])
+    width = mine.numel()
     device = collective_device(group)
     mine = mine.to(device)
-    gathered = torch.empty(world_size(group) * 4, dtype=mine.dtype, device=device)
+    gathered = torch.empty(world_size(group) * width, dtype=mine.dtype, device=device)
     _all_gather(gathered, mine, group)
-    gathered = gathered.view(-1, 4).cpu()
+    gathered = gathered.view(-1, width).cpu()
     tokens, steps = int(gathered[:, 0].sum()), int(gathered[:, 1].max())
     stranded = [r for r in range(gathered.shape[0]) if not gathered[r, 2]]
     if steps > 0 and stranded:
@@ -80,7 +90,27 @@ def agree_on_window_size(
             "their data was empty from the first window on"
         )
     caps = gathered[:, 3]
-    return WindowSize(tokens, steps, int(caps.sum()) if bool((caps >= 0).all()) else None)
+    summed = None if extra is None else gathered[:, 4:].sum(dim=0)
+    capacity_sum = int(caps.sum()) if bool((caps >= 0).all()) else None
+    return WindowSize(tokens, steps, capacity_sum, summed)
+
+
+def extra_vector(extra_sums) -> torch.Tensor | None:
+    """`extra_sums` checked: None, or a 1-d int64 tensor (moved to the CPU)."""
+    if extra_sums is None:
+        return None
+    if (
+        not isinstance(extra_sums, torch.Tensor)
+        or extra_sums.dim() != 1
+        or extra_sums.dtype != torch.int64
+    ):
+        what = (
+            f"{extra_sums.dtype} of shape {tuple(extra_sums.shape)}"
+            if isinstance(extra_sums, torch.Tensor)
+            else type(extra_sums).__name__
+        )
+        raise ValueError(f"extra_sums must be a 1-d int64 tensor, got {what}")
+    return extra_sums.detach().cpu()
 
 
 def agree_on_window(

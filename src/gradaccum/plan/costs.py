@@ -196,7 +196,9 @@ def _step_time(i: PlanInputs, params, world: int, k, tokens_per_step) -> float |
 
 def timing(i, params, global_tok, total_tokens, k, steps, world, notes, scheduled) -> dict:
     """FLOPs and time: a measured micro-step time wins over peak x MFU; a scheduled run's
-    time is its phases' summed."""
+    time is its phases' summed. A mixture of experts' FLOPs count the parameters a token runs
+    through (`PlanInputs.active_params`)."""
+    params = i.active_params or params
     flops_step = 6 * params * global_tok if params and global_tok else None
     flops_total = 6 * params * total_tokens if params and total_tokens else None
     step_time = _step_time(i, params, world, k, global_tok)

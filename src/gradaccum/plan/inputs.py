@@ -19,7 +19,7 @@ from .sizes import fmt_count_exact
 _COUNTS = (
     "target_tokens target_sequences accum_steps seq_len micro_batch micro_tokens gpus steps "
     "total_tokens params layers hidden heads vocab device_memory base_batch_tokens "
-    "trainable_params lora_rank"
+    "trainable_params lora_rank active_params"
 ).split()
 
 
@@ -98,6 +98,10 @@ class PlanInputs:
     lora_rank: int | None = None
     """LoRA rank on every linear layer of every block: the adapters, counted from the model's
     shape, are the trainable parameters."""
+    active_params: int | None = None
+    """Parameters each token runs through, when fewer than all (a mixture of experts routes
+    it to its top-k experts): FLOPs and the time from them count these, memory counts every
+    parameter. None: all of them."""
     base_bits: int | None = None
     """Bits of the frozen base's stored weights, 4, 8 or 16 (`gradaccum.plan.quantized`);
     needs --lora-rank or --trainable-params, and 4 or 8 a model shape. None: the parameter

@@ -16,6 +16,7 @@ the checkpoint's plan and the summary of the window just trained keep the k it h
 
 from __future__ import annotations
 
+from ..plan.sizes import fmt_count
 from .batching import Batching, make_batching, token_schedule
 from .config import TrainConfig
 from .schedule import Schedule
@@ -125,6 +126,19 @@ class BatchState:
             return False
         self._count_steps(steps)
         return True
+
+    def follow_noise(self, result, steps: int) -> str | None:
+        """After a window (`result`, its StepResult; `steps` optimizer steps taken) of
+        `--batch-schedule auto`: k grown toward the noise scale's critical batch when allowed
+        (`grow`); the line that says so, None when k stays."""
+        noise, old = result.noise, self.k
+        critical = noise.b_simple_tokens if noise else None
+        if not self.grow(result.step, critical, steps):
+            return None
+        return (
+            f"step {result.step}: critical batch about {fmt_count(critical)} tokens: k {old} "
+            f"-> {self.next_k} ({fmt_count(self.next_tokens_per_step)} tokens per step)"
+        )
 
     def shrink(self, steps: int) -> int | None:
         """After out of memory mid-window (`steps` optimizer steps taken): the micro-batch of

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 from ..plan.batch_schedule import LR_RULES, BatchSchedule, parse_batch_schedule
-from ..utils.choices import BUILTIN_MODELS, DEFAULT_MODEL, PACKINGS, PRECISIONS, TASKS
+from ..utils.choices import BUILTIN_MODELS, DEFAULT_MODEL, MOE_BALANCES, PACKINGS, PRECISIONS, TASKS
 from ..utils.errors import BadInput, flag_name
 from .flag_values import EXCLUSIVE, Flag, merge_settings, read_value, to_toml
 from .flag_values import flag_field as _flag
@@ -255,6 +255,11 @@ class TrainConfig:
     )
     """A folder with config.json and model.pt (a checkpoint) to start from. None: not
     given."""
+    moe_balance: str | None = _flag(
+        None, "micro, global, global-previous (MoE; default global)", "choice", choices=MOE_BALANCES
+    )
+    """A mixture of experts' load-balancing loss per window (`utils.choices.MOE_BALANCES`,
+    `train.moe`). None (not given): "global" for an MoE model, none for a dense one."""
     device: str = _flag(
         "auto", "cpu, cuda, cuda:1, npu, mps, xpu or auto (default auto)", "str", metavar="DEVICE"
     )
@@ -393,11 +398,7 @@ class TrainConfig:
                 self.max_tokens,
                 f"give either --max-steps ({self.max_steps}) or --max-tokens, not both",
             )
-        if (
-            self.warmup_steps is not None
-            and self.max_steps is not None
-            and self.warmup_steps > self.max_steps
-        ):
+        if self.max_steps is not None and (self.warmup_steps or 0) > self.max_steps:
             raise BadInput(
                 "--warmup-steps",
                 self.warmup_steps,

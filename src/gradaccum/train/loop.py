@@ -13,7 +13,8 @@ the evaluation come from `sft`; everything else is shared.
 
 The parts, each in its module: the batch as it trains (`batch_state`), how `--micro-batch
 auto` is settled (`micro_batch`), what a checkpoint holds (`payload`), out-of-memory recovery
-(`recovery`), the files in --out (`outputs`), the closing words (`summary`).
+(`recovery`), the files in --out (`outputs`), the closing words (`summary`), a mixture of
+experts' load-balancing loss (`moe`).
 """
 
 from __future__ import annotations
@@ -29,10 +30,9 @@ from ..engine.accumulator import Accumulator, StepResult
 from ..models.loss import causal_lm_loss
 from ..parallel import devices
 from ..parallel.process_group import RankInfo, init_distributed, teardown
-from ..plan.sizes import fmt_count
 from ..utils.atomic import interrupted
 from ..utils.errors import BadInput, first_line
-from . import adapters, micro_batch, parts, payload, resume, sft, summary
+from . import micro_batch, moe, parts, payload, resume, sft, summary
 from .batch_state import BatchState
 from .checks import prepare
 from .config import AUTO, TrainConfig
@@ -43,7 +43,7 @@ from .metrics import read_metrics, window_record
 from .outputs import Outputs
 from .payload import RunState
 from .recovery import OUT_OF_MEMORY, PEER_OUT_OF_MEMORY, STOP, Recovery, lost_rank
-from .resolve import Resolved, resolve_plan
+from .resolve import Resolved, resolve_run
 from .schedule import Schedule, make_scheduler
 
 __all__ = ["TrainConfig", "evaluate", "train"]
@@ -68,15 +68,6 @@ def train(config: TrainConfig, should_stop: Callable[[int], bool] | None = None)
         return Run.build(config, rank_info).train(should_stop)
     finally:
         teardown(rank_info)
-
-
-def _resolve(config: TrainConfig, plan_config: TrainConfig, model_info, rank_info) -> Resolved:
-    """The plan of `plan_config` (`config` with the batch settled); a schedule's plan is its
-    first batch, its lr rule and its phases."""
-    schedule = None if config.batch_schedule == AUTO else config.batch_schedule
-    return resolve_plan(
-        plan_config, model_info, rank_info.world_size, rank_info.device, batch_schedule=schedule
-    )
 
 
 class Run:
@@ -106,6 +97,7 @@ class Run:
         self.batch, self.schedule, self.outputs = batch, schedule, outputs
         self.notes = notes or []  # what a resume changed, one line each
         self.model = parts.place(model, config, rank_info)
+        self.moe = moe.make(config, self.model)  # None for a dense model
         self.optimizer = parts.optimizer(self.model, config)
         self.scheduler = make_scheduler(self.optimizer, schedule)
         self.acc = Accumulator(
@@ -120,8 +112,9 @@ class Run:
         """A --task sft run's data (`sft.SFTParts`); None for pretraining."""
         self.batches = self._make_batches(batch.micro_batch)
         self.window_examples = 0  # examples in the last window (--task sft), all ranks
+        abandon = self.moe.abandon if self.moe is not None else None
         self.recovery = Recovery(
-            self.acc, self.batches, batch, rank_info, self._shrunk, config.dist_timeout
+            self.acc, self.batches, batch, rank_info, self._shrunk, config.dist_timeout, abandon
         )
         self.state = RunState()
         self.progress: Progress | None = None  # the bar or log lines, while the loop runs
@@ -161,7 +154,7 @@ class Run:
             plan_config = sft.plan_config(config, data.train, rank_info.world_size, measured)
         elif micro_batch.measures(config, rank_info.world_size):
             plan_config = micro_batch.measure(config, model, data, rank_info, console.say)
-        resolved = _resolve(config, plan_config, model_info, rank_info)
+        resolved = resolve_run(config, plan_config, model_info, rank_info)
         batch = BatchState.planned(config, resolved, rank_info.world_size)
         schedule = batch.lr_schedule(config, resolved)
         outputs = Outputs(config, rank_info)
@@ -184,7 +177,7 @@ class Run:
             plan_config = sft.resume_plan_config(config, ckpt, data.train, rank_info.world_size)
         else:
             plan_config = resume.batch_config(config, ckpt, rank_info.world_size)
-        resolved = _resolve(config, plan_config, model_info, rank_info)
+        resolved = resolve_run(config, plan_config, model_info, rank_info)
         batch = BatchState.planned(config, resolved, rank_info.world_size)
         schedule, length_notes = resume.lr_schedule(config, ckpt, resolved, batch)
         notes += length_notes + resume.batch_lines(ckpt, resolved)
@@ -217,6 +210,8 @@ class Run:
             batch=self.batch,
             schedule=self.schedule,
         )
+        if self.moe is not None:  # the previous window's f, and a changed mode said
+            self.notes += self.moe.load_state_dict(trainer_state, self.acc.steps)
 
     def start(self) -> None:
         """Say what is about to happen, take the folder's lock, write train.toml. No room on
@@ -231,6 +226,7 @@ class Run:
             lines += sft.plan_lines(self.config, self.sft, self.batch.micro_batch, world)
         else:
             lines += parts.document_mask_lines(self.data)
+        lines += self.moe.opening_lines() if self.moe is not None else []
         for line in lines:
             self.console.say(line)
         for line in self.notes:
@@ -341,7 +337,11 @@ class Run:
             sft_window = next(self.batches)
             micro_batches, self.window_examples = sft_window.micro_batches, sft_window.examples
         micro_batches = [_to_device(b, self.device) for b in micro_batches]
-        window = self.acc.begin_window(micro_batches)  # counts the window's tokens over ranks
+        moe = self.moe  # None for a dense model, whose window is only the engine's
+        if moe is None:
+            window = self.acc.begin_window(micro_batches)  # counts the window's tokens over ranks
+        else:  # and the balance's routed tokens and counts, in the same collective
+            window = moe.begin_window(self.acc, self.model, micro_batches)
         self.batch.k = window.micro_steps  # under torchrun, the most micro-batches a rank has
         for i in range(window.micro_steps):
             agreed = self.recovery.agree(signals.requested is not None, i, window.micro_steps)
@@ -352,11 +352,15 @@ class Run:
             # A rank with fewer micro-batches than another repeats its last with weight 0,
             # so that every rank joins the same collectives.
             real = i < len(micro_batches)
-            micro = micro_batches[i if real else -1]
+            micro, weight = micro_batches[i if real else -1], 1.0 if real else 0.0
             with window.micro_step():  # autocast; gradients sync on the last micro-batch only
-                loss_sum, num_tokens = causal_lm_loss(self.model, micro)
-                window.backward(loss_sum, num_tokens, 1.0 if real else 0.0)  # world / N
-        return window.finish()  # clip, optimizer and scheduler step, zero_grad: once
+                if moe is None:
+                    loss_sum, num_tokens = causal_lm_loss(self.model, micro)
+                    window.backward(loss_sum, num_tokens, weight)  # world / N
+                else:  # cross-entropy and the micro-batch's term of the window's balance
+                    moe.backward(window, self.model, micro, weight)
+        # clip, optimizer and scheduler step, zero_grad: once
+        return window.finish() if moe is None else moe.finish(window)
 
     def _shrunk(self, line: str, event: dict) -> None:
         """After out of memory shrank the batch: the line printed, the event recorded."""
@@ -373,14 +377,21 @@ class Run:
         st.elapsed_s = now - self.clock.loop_start
         if st.initial_loss is None:
             st.initial_loss = result.loss
-        record = window_record(result, seconds, self.batch, st.elapsed_s)
+        record, words = window_record(result, seconds, self.batch, st.elapsed_s), []
         if self.sft is not None:  # what the window held: examples, and the tokens N counts
             record.update(examples=self.window_examples, counted_tokens=result.tokens)
+            words.append(f"{self.window_examples} ex, {result.tokens} tok")
+        if self.moe is not None:  # the load-balancing loss and the experts' load
+            record.update(self.moe.record_fields())
+            words.append(self.moe.progress())
         if self.is_main:
             self.write_record(record)
         done_here = result.step - self.clock.first_step
         self.progress.accum_steps = self.batch.k
-        self._follow_batching(result)
+        grown = self.batch.follow_noise(result, self.acc.steps)  # --batch-schedule auto
+        if grown:
+            self.progress.note(grown)
+            self.progress.total = self.batch.total
         self.progress.update(
             result.step,
             result.loss,
@@ -389,20 +400,8 @@ class Run:
             result.lr,
             now - self.clock.here,
             done_here,
-            window=f"{self.window_examples} ex, {result.tokens} tok" if self.sft else "",
+            window="  ".join(words),
         )
-
-    def _follow_batching(self, result: StepResult) -> None:
-        """After a window of `--batch-schedule auto`: k may grow, and the steps left with it."""
-        noise, old = result.noise, self.batch.k
-        critical = noise.b_simple_tokens if noise else None
-        if self.batch.grow(result.step, critical, self.acc.steps):
-            self.progress.note(
-                f"step {result.step}: critical batch about {fmt_count(critical)} "
-                f"tokens: k {old} -> {self.batch.next_k} "
-                f"({fmt_count(self.batch.next_tokens_per_step)} tokens per step)"
-            )
-            self.progress.total = self.batch.total
 
     def _eval_due(self) -> bool:
         step, every = self.acc.steps, self.config.eval_every
@@ -441,6 +440,7 @@ class Run:
             schedule=self.schedule,
             metrics_lines=self.outputs.metrics.lines,
             state=self.state,
+            moe=self.moe,
         )
 
     def save(self) -> None:
@@ -463,17 +463,10 @@ class Run:
             outputs.metrics.close()
             records = read_metrics(os.path.join(config.out, "metrics.jsonl"))
             files = ["metrics.jsonl", "train.toml"]
-            if stopped is None and adapters.record_of(self.model_info) is not None:
+            if stopped is None:  # model.pt (and out/hf), or LoRA's adapter/ (and merged/)
                 tokenizer = self.sft.tokenizer_dir if self.sft is not None else None
-                at = f"step {step}/{self.batch.total}"  # LoRA: adapter/ (and merged/)
-                files += outputs.export_lora(parts.unwrapped(self.model), tokenizer, at)
-            elif stopped is None:
-                state = parts.unwrapped(self.model).state_dict()
-                at = f"step {step}/{self.batch.total}"
-                files += outputs.export(state, self.model_info.config, at)
-                if self.model_info.kind == "hf":  # also as transformers loads it: out/hf
-                    tokenizer = self.sft.tokenizer_dir if self.sft is not None else None
-                    files += outputs.export_hf(parts.unwrapped(self.model), tokenizer, at)
+                model, at = parts.unwrapped(self.model), f"step {step}/{self.batch.total}"
+                files += outputs.export_model(model, self.model_info, tokenizer, at)
             title = summary.plot_title(records, self.model_info, self.batch, config)
             files += summary.plot(records, outputs, self.data.info.entropy_floor, title)
             if config.tensorboard and "tensorboard/" not in outputs.not_written:
@@ -496,6 +489,7 @@ class Run:
             noise=noise,
             wall_s=time.perf_counter() - self.clock.started,
         )
+        result.update(moe.summary_fields(self.moe, records))
         result["files"] = files
         result["not_written"] = dict(outputs.not_written)
         return result

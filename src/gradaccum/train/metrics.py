@@ -114,9 +114,10 @@ def read_metrics(path: str) -> list[dict]:
 def plot_loss(
     records: list[dict], path: str, entropy_floor: float | None = None, title: str = ""
 ) -> bool:
-    """Write loss against tokens (and eval loss, and the floor) to `path`, atomically; where
-    the records carry noise_scale_tokens, the noise scale in a second panel below; where eval
-    records carry exact_match (--task sft on the built-in set), that in a second panel.
+    """Write loss against tokens (and eval loss, and the floor) to `path`, atomically; below
+    it a panel for each of: the noise scale where the records carry noise_scale_tokens, the
+    exact match where eval records carry it (--task sft on the built-in set), the
+    load-balancing loss and the largest expert load where they carry moe_lbl (an MoE model).
 
     Returns False, writing nothing, when matplotlib is not installed (an optional extra);
     raises DiskFull naming `path` when the disk has no room (the previous plot is kept).
@@ -132,11 +133,21 @@ def plot_loss(
     evals = [r for r in records if r.get("eval_loss") is not None]
     noise = [r for r in train if r.get("noise_scale_tokens") is not None]
     matches = [r for r in evals if r.get("exact_match") is not None]
-    if noise or matches:
-        fig, (ax, lower) = plt.subplots(
-            2, 1, figsize=(7, 6.4), dpi=120, sharex=True, height_ratios=(3, 2)
+    moe = [r for r in train if r.get("moe_lbl") is not None]
+    panels = [(p, rs) for p, rs in ((_plot_noise, noise), (_plot_exact_match, matches)) if rs]
+    panels += [(_plot_moe, moe)] if moe else []
+    if panels:
+        fig, axes = plt.subplots(
+            1 + len(panels),
+            1,
+            figsize=(7, 4.2 + 2.2 * len(panels)),
+            dpi=120,
+            sharex=True,
+            height_ratios=(3,) + (2,) * len(panels),
         )
-        _plot_noise(lower, noise) if noise else _plot_exact_match(lower, matches)
+        ax = axes[0]
+        for lower, (paint, rows) in zip(axes[1:], panels, strict=True):
+            paint(lower, rows)
     else:
         fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
     ax.plot([r["tokens"] for r in train], [r["loss"] for r in train], lw=1.2, label="train loss")
@@ -153,7 +164,7 @@ def plot_loss(
         ax.axhline(
             entropy_floor, ls="--", color="k", lw=1, label=f"entropy floor {entropy_floor:.3f} nats"
         )
-    if not (noise or matches):
+    if not panels:
         ax.set_xlabel("tokens")
     ax.set_ylabel("loss (nats per token)")
     ax.set_title(title)
@@ -198,3 +209,19 @@ def _plot_exact_match(ax, records: list[dict]) -> None:
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax.legend()
+
+
+def _plot_moe(ax, records: list[dict]) -> None:
+    """A mixture of experts' load-balancing loss (left axis) and its largest expert load,
+    max over mean token fraction over the MoE layers (right axis, 1 when balanced)."""
+    tokens = [r["tokens"] for r in records]
+    ax.plot(tokens, [r["moe_lbl"] for r in records], lw=1.2, color="tab:red", label="LBL")
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("load-balancing loss")
+    ax.grid(alpha=0.3)
+    right = ax.twinx()
+    loads = [r.get("moe_load_max") for r in records]
+    right.plot(tokens, loads, lw=1, color="tab:blue", label="max expert load")
+    right.set_ylabel("max expert load (x mean)")
+    lines = ax.get_lines() + right.get_lines()
+    ax.legend(lines, [line.get_label() for line in lines])

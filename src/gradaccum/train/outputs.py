@@ -232,6 +232,16 @@ class Outputs:
                 f"{self.kept('free space and ')}"
             ) from None
 
+    def export_model(self, model, model_info, tokenizer_dir: str | None, at: str) -> list[str]:
+        """A finished run's model (unwrapped): LoRA's adapter folder (`export_lora`), or
+        model.pt (`export`) and for a Hugging Face model also --out/hf (`export_hf`)."""
+        if adapters.record_of(model_info) is not None:
+            return self.export_lora(model, tokenizer_dir, at)
+        files = self.export(model.state_dict(), model_info.config, at)
+        if model_info.kind == "hf":  # also as transformers loads it
+            files += self.export_hf(model, tokenizer_dir, at)
+        return files
+
     # ---- what is left ------------------------------------------------------------------
 
     def kept(self, fix: str = "") -> str:

@@ -23,7 +23,7 @@ from ..models.info import ModelInfo
 from ..models.optimizer import adamw
 from ..parallel.process_group import RankInfo
 from ..utils.errors import BadInput, first_line
-from . import adapters, sft
+from . import adapters, moe, sft
 from .config import TrainConfig
 
 ADAM_BETAS = (0.9, 0.95)
@@ -118,6 +118,7 @@ def new_model(config: TrainConfig, data_info: DataInfo) -> tuple[torch.nn.Module
         seq_len=config.seq_len,
     )
     check_document_mask(config, model, info)
+    moe.check(config, model)  # --moe-balance fits the model
     return adapters.attach(model, info, config)
 
 
@@ -138,6 +139,7 @@ def checkpoint_model(
             "--resume", config.out, f"the checkpoint's model does not fit ({err.why or err})"
         ) from None
     check_document_mask(config, model, info)
+    moe.check(config, model)
     return model, info
 
 

@@ -4,7 +4,8 @@ resume puts it back.
 The payload holds the optimizer, the LR scheduler, the accumulator (loss scaler, noise-scale
 averages), the data position, the RNG states, the settings, the batch as trained (the plan,
 the micro-batch and k now, the batch schedule's growth), the LR schedule, how many
-metrics.jsonl lines the checkpoint saw and the run's progress (tokens seen, seconds). Only
+metrics.jsonl lines the checkpoint saw, the run's progress (tokens seen, seconds) and a
+mixture of experts' balance (its mode and the previous window's f, `train.moe`). Only
 tensors and plain containers, so it loads with torch.load(weights_only=True).
 """
 
@@ -19,6 +20,7 @@ from ..utils.errors import BadInput
 from . import checkpoint
 from .batch_state import BatchState
 from .config import TrainConfig
+from .moe import STATE_KEY as MOE_STATE
 from .schedule import Schedule
 
 
@@ -48,10 +50,12 @@ def trainer_state(
     schedule: Schedule,
     metrics_lines: int,
     state: RunState,
+    moe=None,
 ) -> dict:
     """The payload of a checkpoint after `acc.steps` optimizer steps. `plan`: the planned
-    batch (`Resolved.summary`), which the batch as trained now overrides."""
-    return {
+    batch (`Resolved.summary`), which the batch as trained now overrides. `moe`: the run's
+    `moe.MoETraining`, None for a dense model."""
+    payload = {
         "step": acc.steps,
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
@@ -66,6 +70,9 @@ def trainer_state(
         "metrics_lines": metrics_lines,
         "progress": {"tokens": batch.tokens, **asdict(state)},
     }
+    if moe is not None:
+        payload[MOE_STATE] = moe.state_dict()
+    return payload
 
 
 def restore(

@@ -45,7 +45,8 @@ class Recovery:
     """Runs a window until it finishes (`run`), redoing it smaller after out of memory.
 
     `report(line, event)`: called after each shrink with the line to print and the
-    metrics.jsonl event (step, "out_of_memory", the new micro-batch and k)."""
+    metrics.jsonl event (step, "out_of_memory", the new micro-batch and k). `on_abandon`:
+    called with each abandoned window, after the accumulator's (an MoE balance's window)."""
 
     def __init__(
         self,
@@ -55,8 +56,10 @@ class Recovery:
         rank_info: RankInfo,
         report: Callable[[str, dict], None],
         timeout_s: float | None = None,
+        on_abandon: Callable[[], None] | None = None,
     ):
         self.acc, self.batches, self.batch = acc, batches, batch
+        self.on_abandon = on_abandon
         self.rank_info, self.report = rank_info, report
         self.micro_index = -1
         """The micro-batch of the window in progress (-1 before its first)."""
@@ -114,6 +117,8 @@ class Recovery:
             if failed is not None and not self._tell_ranks(failed):
                 failed, result = None, None  # another rank's stop came first: stop too
             self.acc.abandon_window()
+            if self.on_abandon is not None:
+                self.on_abandon()
             self.batches.position = position
             checkpoint.set_rng_state(rng)
             if failed is None and result is None:

@@ -80,6 +80,16 @@ class Resolved:
         }
 
 
+def resolve_run(config: TrainConfig, plan_config: TrainConfig, model_info, rank_info) -> Resolved:
+    """The plan of a run of `config` (on `rank_info`'s ranks and device) from `plan_config`
+    (`config` with the batch settled); a schedule's plan is its first batch, its lr rule and
+    its phases."""
+    schedule = None if config.batch_schedule == AUTO else config.batch_schedule
+    return resolve_plan(
+        plan_config, model_info, rank_info.world_size, rank_info.device, batch_schedule=schedule
+    )
+
+
 def resolve_plan(
     config: TrainConfig,
     model_info,
@@ -97,6 +107,7 @@ def resolve_plan(
         seq_len=seq_len,
         gpus=world_size,
         params=model_info.params,
+        active_params=model_info.active_params,
         layers=model_info.layers,
         hidden=model_info.hidden,
         heads=model_info.heads,

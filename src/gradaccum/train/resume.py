@@ -53,8 +53,17 @@ REFUSED = {
 }
 """Fields a resume may not change, and why."""
 
-SPECIAL = ("tokens_per_step", "micro_batch", "accum_steps", "max_steps", "max_tokens", "data")
-"""Fields whose change is judged by what it does (the batch, the length, the tokens)."""
+SPECIAL = (
+    "tokens_per_step",
+    "micro_batch",
+    "accum_steps",
+    "max_steps",
+    "max_tokens",
+    "data",
+    "moe_balance",
+)
+"""Fields whose change is judged by what it does (the batch, the length, the tokens; the
+MoE balance's mode as trained, a default included: `train.moe`, applied and said)."""
 
 
 def settings_to_resume(given: dict) -> dict:

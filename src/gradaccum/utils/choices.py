@@ -12,9 +12,20 @@ BUILTIN_MODELS: dict[str, dict[str, int]] = {
     "tiny": {"n_layer": 4, "n_head": 4, "n_embd": 128},
     "small": {"n_layer": 6, "n_head": 4, "n_embd": 256},
     "gpt2-124m": {"n_layer": 12, "n_head": 12, "n_embd": 768},
+    "tiny-moe": {"n_layer": 4, "n_head": 4, "n_embd": 128, "n_expert": 4, "expert_top_k": 2},
 }
-"""The built-in GPT's presets (`--model NAME`): layers, heads and width; its vocabulary and
-sequence length come from the data."""
+"""The built-in GPT's presets (`--model NAME`): layers, heads and width, and for a mixture of
+experts the experts per block and the experts each token is routed to (`GPTConfig`); its
+vocabulary and sequence length come from the data."""
+
+MOE_BALANCES = ("micro", "global", "global-previous")
+"""How a mixture of experts' load-balancing loss is balanced under accumulation
+(`gradaccum.models.balance`): "micro", each micro-batch's own loss weighted by its share of
+the window's routed tokens (what a model computes per forward); "global", the token fractions
+f of the whole window over all ranks from a routing pass before its backward passes (the big
+batch's loss and gradient, exactly); "global-previous", the previous window's f (no extra
+pass; exact in the probabilities, one window stale in f; the first window falls back to
+"global")."""
 
 TASKS = ("pretrain", "sft")
 """--task of train and verify: pretraining on a token stream, or supervised fine-tuning on

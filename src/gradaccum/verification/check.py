@@ -29,6 +29,7 @@ from ..utils.choices import PRECISIONS
 from ..utils.errors import BadInput
 from ..utils.jsonable import finite
 from .lint import Finding, lint, list_names, quiet_rng
+from .moe_check import MoEReport, check_mode, moe_check, moe_finding
 from .reference import (
     Grads,
     Reference,
@@ -111,6 +112,9 @@ class VerifyReport:
     """What breaks equivalence, or was changed for the check."""
     notes: list[str] = field(default_factory=list)
     """What verify did that a reader should know (RNG fixed, reference dtype, ...)."""
+    moe: MoEReport | None = None
+    """A mixture of experts: cross-entropy plus the load-balancing loss in the balance
+    checked, against the big batch's (`verification.moe_check`); None for a dense model."""
 
     def to_dict(self) -> dict:
         """The fields the CLI's --json prints, plus per-parameter rows and notes."""
@@ -128,6 +132,7 @@ class VerifyReport:
             lint=[asdict(f) for f in self.lint],
             params=[asdict(p) for p in self.params],
             notes=list(self.notes),
+            moe=None if self.moe is None else asdict(self.moe),
         )
         return out
 
@@ -157,6 +162,9 @@ def verify(
     wrong_ways: bool = True,
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
+    moe_balance: str | None = None,
+    moe_shift: bool = False,
+    previous_window: Sequence | None = None,
 ) -> VerifyReport:
     """Check that one window of `micro_batches` through `Accumulator` gives the gradient of
     the same data as one big batch, on copies of `model`.
@@ -169,10 +177,14 @@ def verify(
     tolerance: largest relative error that passes (default `TOLERANCES[precision]`).
     wrong_ways: also run the usual mistakes (`WRONG_WAYS`) for contrast.
     progress: called with a few words before each part of the work (for long windows).
+    moe_balance: a mixture of experts' load-balancing mode checked (default global; none for
+      a dense model): `VerifyReport.moe`, part of `passed`. moe_shift: labels unshifted, as
+      `gradaccum.hf` takes them. previous_window: the window "global-previous" takes f from.
     Raises BadInput on arguments that cannot work.
     """
     say = progress or (lambda words: None)
     micro_batches = _check(micro_batches, precision, tolerance)
+    mode = check_mode(model, moe_balance)
     tolerance = TOLERANCES[precision] if tolerance is None else tolerance
     devices = [p.device for p in model.parameters() if p.device.type != "cpu"][:1]
     with torch.random.fork_rng(devices=devices, device_type=devices[0].type if devices else "cuda"):
@@ -207,7 +219,27 @@ def verify(
         ways = _wrong_ways(context, big_batch) if wrong_ways else {}
         say("the lint")
         findings = lint(prepared, micro_batches, whole, loss_fn, ref, quieted, seed)
-    return _report(params, ref, precision, tolerance, len(micro_batches), ways, findings, quieted)
+        report = _report(
+            params, ref, precision, tolerance, len(micro_batches), ways, findings, quieted
+        )
+        if mode is not None:
+            say(f"the load-balancing loss, --moe-balance {mode}, against the big batch's")
+            _add_moe(report, prepared, micro_batches, mode, moe_shift, previous_window, seed)
+    return report
+
+
+def _add_moe(report: VerifyReport, model, micro_batches, mode, shift, previous, seed) -> None:
+    """The mixture of experts' part (`moe_check`) into `report`: its row, its verdict, the
+    per-micro-batch loss's finding and its notes."""
+    moe = moe_check(
+        model, micro_batches, mode, shift=shift, precision=report.precision,
+        tolerance=report.tolerance, previous_window=previous, seed=seed,
+    )  # fmt: skip
+    report.moe, report.passed = moe, report.passed and moe.passed
+    found = moe_finding(model, moe)
+    if found is not None:  # errors first, as `lint` orders them
+        report.lint.insert(0 if found.severity == "error" else len(report.lint), found)
+    report.notes += moe.notes
 
 
 def _check(micro_batches, precision: str, tolerance) -> list:
@@ -425,6 +457,7 @@ def sample_batches(
     vocab_size: int,
     seed: int = 0,
     shifted: bool = True,
+    mask: bool = False,
 ) -> list[dict]:
     """`count` micro-batches of `rows` token sequences of random lengths (2..seq_len), each
     micro-batch as wide as its longest row, padded with token 0 and label -100.
@@ -433,7 +466,8 @@ def sample_batches(
     random: data with something to learn, so that gradients of different micro-batches share
     a direction, as in training. `shifted`: labels already aligned with the inputs (the
     built-in GPT); otherwise labels equal the inputs and the model shifts them (Hugging Face
-    causal LMs), and the batch carries an attention_mask.
+    causal LMs), and the batch carries an attention_mask (`mask`: shifted ones too, which a
+    mixture of experts' load-balancing check counts the real tokens by).
     """
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -449,7 +483,9 @@ def sample_batches(
         valid = torch.arange(width)[None, :] < lengths[:, None]
         ids = torch.where(valid, seq[:, :width], 0)
         if shifted:
-            out.append({"input_ids": ids, "labels": torch.where(valid, seq[:, 1:], IGNORE_INDEX)})
+            labels = torch.where(valid, seq[:, 1:], IGNORE_INDEX)
+            extra = {"attention_mask": valid.long()} if mask else {}
+            out.append({"input_ids": ids, "labels": labels, **extra})
         else:
             labels = torch.where(valid, ids, IGNORE_INDEX)
             out.append({"input_ids": ids, "labels": labels, "attention_mask": valid.long()})

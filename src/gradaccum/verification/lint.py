@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..models.router import moe_spec
 from .reference import Reference, cast_floats, seeded, trainable
 
 # Attribute names under which modules keep a dropout probability they apply themselves
@@ -193,17 +194,32 @@ def _mean_finding(big: float, total: float, k: int) -> Finding:
     )
 
 
-def _aux_finding(model: nn.Module, big: float, total: float) -> Finding:
-    suspects = [
+def suspects(model: nn.Module) -> list[str]:
+    """Names of the modules that look like routers or auxiliary losses, in the model's order."""
+    return [
         name
         for name, module in model.named_modules()
         if name and any(w in f"{name} {type(module).__name__}".lower() for w in _AUX_WORDS)
     ]
+
+
+def _aux_finding(model: nn.Module, big: float, total: float) -> Finding:
+    names = suspects(model)
+    mismatch = f"big batch {big:.6g}, micro-batches {total:.6g}"
+    if moe_spec(model) is not None:  # the model's own load-balancing loss, per forward
+        return Finding(
+            module=names[0] if names else "loss_fn",
+            problem=f"the loss does not add up over micro-batches ({mismatch}): the model's "
+            "own mixture-of-experts load-balancing loss is computed once per forward, so it "
+            "is counted once per micro-batch and balances each micro-batch on its own tokens",
+            fix="leave it out of loss_fn (the cross-entropy summed over tokens) and let "
+            "gradaccum add it over the window: gradaccum.moe.Balance(model, 'global'), or "
+            "--moe-balance global",
+        )
     return Finding(
-        module=suspects[0] if suspects else "loss_fn",
-        problem=f"a term of the loss does not add up over micro-batches (big batch {big:.6g}, "
-        f"micro-batches {total:.6g}): an auxiliary loss (a mixture-of-experts load-balancing "
-        "term, say) computed once per batch is counted once per micro-batch",
+        module=names[0] if names else "loss_fn",
+        problem=f"a term of the loss does not add up over micro-batches ({mismatch}): an "
+        "auxiliary loss computed once per batch is counted once per micro-batch",
         fix="scale per-batch terms by the micro-batch's tokens (loss_sum + aux * num_tokens), "
         "so that the window's 1/N turns them into a token-weighted mean",
     )
