@@ -124,6 +124,7 @@ def test_a_mixture_of_experts_counts_the_flops_of_its_active_parameters_only():
     assert moe.flops_total == 6 * 2 * 10**9 * 10 * 2**20
     assert dense.flops_total == 4 * moe.flops_total
     assert moe.memory.params_gb == dense.memory.params_gb == 16.0  # bf16: 2 bytes each
+    assert "6 N D, N = 2B active" in render_table(moe) and "active" not in render_table(dense)
 
 
 def test_total_tokens_rounds_steps_up():

@@ -123,6 +123,7 @@ def make_plan(i: PlanInputs) -> Plan:
         batch_schedule=scheduled,
         world_size_assumed=assumed,
         base_bits=i.base_bits,
+        active_params=i.active_params,
     )
 
 

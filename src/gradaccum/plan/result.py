@@ -66,9 +66,9 @@ class Plan:
     device_hours: float | None
     """total_time_h x world."""
     flops_per_step: int | None
-    """6 x params x global_batch_tokens."""
+    """6 x params x global_batch_tokens (the active parameters for a mixture of experts)."""
     flops_total: int | None
-    """6 x params x total_tokens."""
+    """6 x params x total_tokens (the active parameters for a mixture of experts)."""
     mfu_implied: float | None
     """The MFU a measured micro-step time means, given --peak-tflops."""
     lr: float | None
@@ -103,6 +103,9 @@ class Plan:
     """True when --gpus was not given and one device was assumed."""
     base_bits: int | None = None
     """--base-bits: bits of the frozen base's stored weights; None: the parameter dtype."""
+    active_params: int | None = None
+    """--active-params: the parameters each token runs through (a mixture of experts), which
+    the FLOPs count; None: all of them."""
 
     def to_dict(self) -> dict:
         return asdict(self)

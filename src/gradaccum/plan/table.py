@@ -83,8 +83,9 @@ def _rows(plan) -> list[tuple[str, str, str, str]]:
     how_total = "phases, steps x step time at their k" if schedule else "steps x step time"
     add("total time", plan.total_time_h, fmt_seconds(total_s), "wall clock", how_total)
     add("device-hours", plan.device_hours, f"{plan.device_hours or 0:,.1f}", "GPU-hours", f"x {w}")
-    add("FLOPs / step", plan.flops_per_step, _flops(plan.flops_per_step or 0), "FLOP", "6 N D")
-    add("FLOPs total", plan.flops_total, _flops(plan.flops_total or 0), "FLOP", "6 N D")
+    n = f"6 N D, N = {fmt_count(plan.active_params)} active" if plan.active_params else "6 N D"
+    add("FLOPs / step", plan.flops_per_step, _flops(plan.flops_per_step or 0), "FLOP", n)
+    add("FLOPs total", plan.flops_total, _flops(plan.flops_total or 0), "FLOP", n)
     add("MFU (implied)", plan.mfu_implied, f"{plan.mfu_implied or 0:.3f}", "fraction of peak")
     if plan.lr is not None:
         how = f"{plan.lr_rule}: base {_LR_RULE[plan.lr_rule]}, c = {plan.lr_scale:.4g}"
