@@ -28,34 +28,26 @@ import time
 import torch
 
 from gradaccum import Accumulator
+from gradaccum.bench.data import make_windows
 from gradaccum.models.balance import Balance
 from gradaccum.models.build import build_model
+from gradaccum.models.loss import IGNORE_INDEX
 from gradaccum.train.config import TrainConfig
 from gradaccum.train.loop import train
 from gradaccum.train.metrics import read_metrics
 from gradaccum.utils.atomic import write_text_atomic
 from gradaccum.utils.choices import MOE_BALANCES
 
-IGNORE = -100
-
 
 def ragged_windows(n_windows, k, micro_batch, seq_len, vocab, seed=0):
-    """Windows of k micro-batches of rows with 1/2 to all of seq_len real tokens, padded on the
-    right (attention_mask 0, label -100), as the trainer's SFT micro-batches are."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n_windows):
-        window = []
-        for _ in range(k):
-            ids = torch.randint(0, vocab, (micro_batch, seq_len + 1), generator=g)
-            lengths = torch.randint(seq_len // 2, seq_len + 1, (micro_batch,), generator=g)
-            real = torch.arange(seq_len)[None, :] < lengths[:, None]
-            labels = ids[:, 1:].masked_fill(~real, IGNORE)
-            window.append(
-                {"input_ids": ids[:, :-1], "labels": labels, "attention_mask": real.long()}
-            )
-        out.append(window)
-    return out
+    """`gradaccum.bench.data.make_windows` (rows of 1 to seq_len real tokens, labels -100 past
+    them) with the padding said in an attention_mask, as the trainer's SFT micro-batches do:
+    the balance routes only the real tokens."""
+    windows = make_windows(n_windows, k, micro_batch, seq_len, vocab, seed)
+    for window in windows:
+        for batch in window:
+            batch["attention_mask"] = (batch["labels"] != IGNORE_INDEX).long()
+    return windows
 
 
 def run_mode(model, windows, mode) -> tuple[float, int]:

@@ -121,7 +121,7 @@ class Balance:
         counts (L * E)]. acc: the Accumulator the window runs on; the routing pass then runs
         under its autocast (bf16, fp16), as the micro-steps do, so that it routes alike."""
         spec = self.spec
-        tokens = sum(int(router.routed_mask(b).sum()) for b in micro_batches)
+        tokens = int(sum(router.routed_mask(b).sum() for b in micro_batches))  # one sync
         source = {"global": "global", "micro": "micro"}.get(self.mode, "previous")
         if source == "previous" and self._previous_f is None:
             source = "global"
@@ -262,7 +262,7 @@ class Balance:
         micro_batches = list(micro_batches)
         model = acc.model
         extra = self.prepare(model, micro_batches, acc)
-        tokens = sum(int(count_targets(b["labels"], self.shift)) for b in micro_batches)
+        tokens = int(sum(count_targets(b["labels"], self.shift) for b in micro_batches))
         window = acc.begin_window(micro_batches, tokens=tokens, extra_sums=extra)
         last = micro_batches[-1] if micro_batches else self._last_batch
         try:

@@ -174,10 +174,12 @@ def layer_figures(
     """(counts (L, E) int64, no gradient: tokens of `mask` whose top-k contains each expert;
     prob sums (L, E), with gradient, fp32 or float64: the router probabilities summed over
     those tokens), each layer's softmax taken in at least fp32 (`moe.router_probs`)."""
+    # The mask multiplies rather than selects: no host sync for the tokens' count.
     counts, sums = [], []
     for logits in router_logits:
-        probs = router_probs(logits[mask.to(logits.device)])
+        keep = mask.to(logits.device)[:, None]
+        probs = router_probs(logits)
         chosen = probs.detach().topk(top_k, dim=-1).indices
-        counts.append(F.one_hot(chosen, probs.shape[-1]).sum(dim=(0, 1)))
-        sums.append(probs.sum(dim=0))
+        counts.append((F.one_hot(chosen, probs.shape[-1]).sum(dim=1) * keep).sum(dim=0))
+        sums.append((probs * keep.to(probs.dtype)).sum(dim=0))
     return torch.stack(counts).to(torch.int64), torch.stack(sums)

@@ -16,7 +16,6 @@ import torch
 
 from ..models import router
 from ..models.balance import Balance, BalanceStats
-from ..parallel import devices
 from ..utils.errors import BadInput, first_line
 from .config import TrainConfig
 
@@ -118,8 +117,7 @@ class MoETraining:
         tokens and counts summed over ranks in the window's own first collective. The
         routing pass runs under the training forwards' autocast, so that it routes as they
         do (a bf16 router's top-k can differ from an fp32 one's)."""
-        with devices.autocast(acc.device, acc.autocast_dtype):
-            extra = self.balance.prepare(model, micro_batches)
+        extra = self.balance.prepare(model, micro_batches, acc)
         window = acc.begin_window(micro_batches, extra_sums=extra)
         self.balance.begin(window)
         return window
