@@ -1,8 +1,10 @@
-"""The MoE load-balancing loss on 2 gloo ranks under DDP: each rank holds part of the window's
+"""The MoE load-balancing loss on 2 gloo ranks under DDP and FSDP2: each rank holds part of the window's
 micro-batches (3 and 2: the second repeats one with weight 0), and the gradient handed to the
 optimizer equals one float64 big batch of the whole window computed without the engine or the
 balance (`tests/models/moe_reference.py`), in each mode; the routed tokens and expert counts
-travel in the window's own first all-gather.
+travel in the window's own first all-gather. Under FSDP2 (every block and the root sharded)
+the routing pass is the whole forward through the wrapper, and an expert that gets no token on
+a rank still has its gradient reduce-scattered.
 
 Every scenario runs in one pair of processes.
 """
@@ -21,6 +23,7 @@ from tests.models.moe_reference import MODELS, moe_batches, reference
 from .ranks import TIMEOUT_S
 
 pytest.importorskip("transformers")
+fsdp = pytest.importorskip("torch.distributed.fsdp", reason="torch without FSDP2")
 pytestmark = pytest.mark.slow  # one spawn of 2 processes for the module
 
 NAMES = ("gpt", "mixtral")
@@ -31,8 +34,22 @@ def windows() -> list[list[dict]]:
     return [moe_batches(5, seed=61), moe_batches(5, seed=62)]
 
 
-def _run(info, name: str, mode: str) -> dict:
-    model = DistributedDataParallel(MODELS[name]())
+def _blocks(model) -> torch.nn.ModuleList:
+    return model.blocks if hasattr(model, "blocks") else model.model.layers
+
+
+def _wrapped(name: str, wrap: str) -> torch.nn.Module:
+    model = MODELS[name]()
+    if wrap == "ddp":
+        return DistributedDataParallel(model)
+    for block in _blocks(model):
+        fsdp.fully_shard(block)
+    fsdp.fully_shard(model)
+    return model
+
+
+def _run(info, name: str, mode: str, wrap: str = "ddp") -> dict:
+    model = _wrapped(name, wrap)
     recorder = GradRecorder(model.parameters())
     acc = Accumulator(model, recorder)
     balance = Balance(model, mode)
@@ -63,6 +80,8 @@ def scenarios(info) -> dict:
     for name in NAMES:
         for mode in ("global", "micro", "global-previous"):
             out[f"{name}_{mode}"] = _run(info, name, mode)
+        for mode in ("global", "global-previous"):
+            out[f"fsdp2_{name}_{mode}"] = _run(info, name, mode, "fsdp2")
     return out
 
 
@@ -85,9 +104,10 @@ def both(ranks, key: str) -> dict:
     return first
 
 
+@pytest.mark.parametrize("wrap", ["", "fsdp2_"])
 @pytest.mark.parametrize("name", NAMES)
-def test_global_on_two_ranks_is_the_big_batch(ranks, name):
-    got = both(ranks, f"{name}_global")
+def test_global_on_two_ranks_is_the_big_batch(ranks, name, wrap):
+    got = both(ranks, f"{wrap}{name}_global")
     model = MODELS[name]()
     for step, window in enumerate(windows()):
         want = reference(model, window, False)
@@ -108,9 +128,10 @@ def test_micro_on_two_ranks_is_the_token_weighted_micro_batch_losses(ranks, name
     assert got["aux"][0] == pytest.approx(own["aux"], rel=1e-6)
 
 
+@pytest.mark.parametrize("wrap", ["", "fsdp2_"])
 @pytest.mark.parametrize("name", NAMES)
-def test_global_previous_on_two_ranks_takes_the_previous_window_s_f(ranks, name):
-    got = both(ranks, f"{name}_global-previous")
+def test_global_previous_on_two_ranks_takes_the_previous_window_s_f(ranks, name, wrap):
+    got = both(ranks, f"{wrap}{name}_global-previous")
     model = MODELS[name]()
     first, second = windows()
     want_first = reference(model, first, False)

@@ -129,15 +129,40 @@ class Balance:
         self._source = source
         if source != "global":
             return torch.tensor([tokens], dtype=torch.int64)
+        joining = self._joining_passes(model, micro_batches, acc)  # before any pass
         counts = torch.zeros(spec.layers, spec.n_expert, dtype=torch.int64)
         for batch in micro_batches:
-            with nullcontext() if acc is None else autocast(acc.device, acc.autocast_dtype):
-                logits = router.routing_pass(model, batch, self.shift)
-            self._check_layers(logits)
+            logits = self._routing_pass(model, batch, acc)
             mask = router.routed_mask(batch)
             counts = router.layer_figures(logits, mask, spec.top_k)[0] + counts.to(mask.device)
+        for batch in joining:
+            self._routing_pass(model, batch, acc)  # joins the other ranks' all-gathers only
         local = torch.cat([torch.tensor([tokens]), counts.cpu().flatten()])  # one copy to host
         return local.to(torch.int64)
+
+    def _routing_pass(self, model, batch: Mapping, acc) -> list[torch.Tensor]:
+        with nullcontext() if acc is None else autocast(acc.device, acc.autocast_dtype):
+            logits = router.routing_pass(model, batch, self.shift)
+        self._check_layers(logits)
+        return logits
+
+    def _joining_passes(self, model, micro_batches: Sequence[Mapping], acc) -> list[Mapping]:
+        """Under FSDP2 every routing forward all-gathers the parameters, so a rank with fewer
+        micro-batches than another in the window runs as many passes: its last batch again,
+        uncounted (one 8-byte all-reduce agrees on the number). None otherwise."""
+        if not router.is_sharded(model):
+            return []
+        group = None if acc is None else acc.dp.group
+        most = collectives.max_over_ranks(len(micro_batches), group)
+        if most == len(micro_batches):
+            return []
+        last = micro_batches[-1] if micro_batches else self._last_batch
+        if last is None:
+            raise ValueError(
+                "this rank has no micro-batch in its first window, another has "
+                f"{most}: under FSDP2 its routing pass needs a batch to join their all-gathers"
+            )
+        return [last] * (most - len(micro_batches))
 
     def begin(self, window) -> None:
         """Read the window's routed tokens T (and, with a routing pass, its counts) from

@@ -130,7 +130,7 @@ def routing_pass(model: torch.nn.Module, batch: Mapping, shift: bool = False) ->
     inner = core_model(model)
     inputs = model_inputs(model, batch, shift)
     with torch.no_grad():
-        if _sharded(inner):
+        if is_sharded(model):
             return forward(model, batch, shift)[1]
         if _is_builtin(model):
             return list(inner.router_logits(**inputs))
@@ -141,8 +141,10 @@ def routing_pass(model: torch.nn.Module, batch: Mapping, shift: bool = False) ->
         return _router_logits(base(**inputs, output_router_logits=True), model)
 
 
-def _sharded(module: torch.nn.Module) -> bool:
-    return FSDPModule is not None and isinstance(module, FSDPModule)
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether the model's root is an FSDP2 unit: each of its forwards then all-gathers the
+    parameters, a collective every rank must join."""
+    return FSDPModule is not None and isinstance(core_model(model), FSDPModule)
 
 
 def _router_logits(out, model) -> list[torch.Tensor]:
