@@ -93,3 +93,38 @@ def test_the_built_in_check_passes_for_seeds_0_to_4(world):
             for i in range(report.windows)
         ]
         assert report.tokens == want and report.windows == 2
+
+
+def _moe(capsys, mode: str, *argv) -> tuple[int, dict]:
+    code = main(["verify", *SMALL, "--moe-balance", mode, *argv])
+    return code, json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("mode", ["global", "global-previous"])
+def test_a_mixture_of_experts_passes_over_ranks_in_global_modes(capsys, mode):
+    # each rank's windows through gradaccum.moe.Balance against the float64 big batch of
+    # cross-entropy plus the LBL with the window's own f ("global-previous": the window
+    # before's, at that window's parameters)
+    code, got = _moe(capsys, mode, "--model", "tiny-moe")
+    assert code == 0, got
+    _check(got)
+    assert got["moe"]["mode"] == mode and got["moe"]["passed"]
+
+
+def test_a_mixture_of_experts_in_micro_mode_fails_over_ranks(capsys):
+    code, got = _moe(capsys, "micro", "--model", "tiny-moe")
+    assert code == 1 and got["passed"] is False
+    assert [w["passed"] for w in got["world"]] == [False, False]
+    assert all(
+        w["grad_rel_err"] > 1e-4 and w["step_err"] <= w["step_tolerance"] for w in got["world"]
+    )
+
+
+def test_a_hugging_face_mixtral_config_passes_over_ranks(capsys, tmp_path):
+    pytest.importorskip("transformers")
+    from tests.models.moe_reference import moe_config
+
+    moe_config("mixtral").save_pretrained(tmp_path)
+    code, got = _moe(capsys, "global", "--model-config", str(tmp_path / "config.json"))
+    assert code == 0, got
+    _check(got)

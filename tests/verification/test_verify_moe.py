@@ -146,10 +146,6 @@ def test_cli_global_previous_table(capsys):
             "--moe-balance global: GPT is not a mixture of experts whose router logits",
         ),
         (
-            ["--model", "tiny-moe", "--world-size", "2"],
-            "--world-size 2: a mixture of experts (--moe-balance global) is checked on one process",
-        ),
-        (
             ["--model", "tiny-moe", "--task", "sft", "--packing", "window"],
             "--packing window: a mixture of experts (--moe-balance global) is checked on padded",
         ),

@@ -178,7 +178,7 @@ def run(args) -> int:
     )
     if sizes["world_size"] > 1 and progress is not None:
         progress(f"{sizes['world_size']} gloo ranks, DDP and FSDP2, against one process")
-    world = _world(case, sizes) if sizes["world_size"] > 1 else []
+    world = _world(case, sizes, moe) if sizes["world_size"] > 1 else []
     study = _study(case, sizes, args) if args.precision_study else None
     passed = report.passed and all(w["passed"] for w in world)
     if args.json:
@@ -195,17 +195,10 @@ def run(args) -> int:
 
 def _moe_mode(args, case: _Case, sizes: dict) -> str | None:
     """The load-balancing mode checked (`moe_check.check_mode`), refused in one line where
-    this check cannot take it: over ranks, or on packed rows."""
+    this check cannot take it: on packed rows."""
     mode = check_mode(case.model, args.moe_balance)
     if mode is None:
         return None
-    if sizes["world_size"] > 1:
-        raise BadInput(
-            "--world-size",
-            sizes["world_size"],
-            f"a mixture of experts (--moe-balance {mode}) is checked on one process; "
-            "leave out --world-size",
-        )
     if args.task == "sft" and args.packing != "none":
         raise BadInput(
             "--packing",
@@ -261,8 +254,9 @@ def _progress(sizes: dict) -> Callable[[str], None] | None:
     return lambda step: print(f"  verify: {step}", file=sys.stderr, flush=True)
 
 
-def world_setups(case: _Case, sizes: dict) -> list:
-    """What --world-size checks: DDP and FSDP2, k micro-batches per rank, 2 windows."""
+def world_setups(case: _Case, sizes: dict, moe: str | None = None) -> list:
+    """What --world-size checks: DDP and FSDP2, k micro-batches per rank, 2 windows; a mixture
+    of experts with its load-balancing mode `moe`."""
     return [
         EquivalenceSetup(
             world_size=sizes["world_size"],
@@ -272,17 +266,19 @@ def world_setups(case: _Case, sizes: dict) -> list:
             seed=sizes["seed"],
             vocab_size=case.vocab_size,
             seq_len=sizes["seq_len"],
+            moe_balance=moe,
+            moe_shift=not case.shifted,
         )
         for wrapper in ("ddp", "fsdp2")
     ]
 
 
-def _world(case: _Case, sizes: dict) -> list[dict]:
+def _world(case: _Case, sizes: dict, moe: str | None) -> list[dict]:
     """DDP and FSDP2 over N gloo ranks on CPU against one process (gradaccum.testing), in
     one start of the ranks."""
     reports = check_equivalences(
         case.factory,
-        world_setups(case, sizes),
+        world_setups(case, sizes, moe),
         timeout_s=600.0,
         loss_fn=case.loss_fn,
         count_tokens=case.count_tokens,

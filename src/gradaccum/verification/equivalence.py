@@ -17,6 +17,10 @@ that differ: that compares amplified rounding noise, not the engine. So the grad
 compared against the tolerance of the precision study (`TOLERANCES["fp32"]`, derived in
 docs/design.md, "Tolerances of verify"), and the step against `step_tolerance`, derived from
 AdamW's update in the parameters' dtype.
+
+A mixture of experts (`EquivalenceSetup.moe_balance`) runs its windows through
+`gradaccum.moe.Balance` on the ranks, and the single process takes the big batch of
+cross-entropy plus the load-balancing loss (`moe_check.moe_big_batch`) instead.
 """
 
 from __future__ import annotations
@@ -28,8 +32,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..engine.accumulator import Accumulator
-from ..models.loss import causal_lm_loss
+from ..models.balance import Balance
+from ..models.loss import IGNORE_INDEX, causal_lm_loss
 from ..parallel.process_group import RankInfo, aligned_windows
+from .moe_check import moe_big_batch
 from .precision_study import HEADROOM, nice_ceil
 from .ranks import run_ranks
 from .reference import (
@@ -76,6 +82,13 @@ class EquivalenceSetup:
     """Token ids in the data are below this (the model must read at least this many)."""
     seq_len: int = 16
     """Positions per row, in tokens (the model must read at least this many)."""
+    moe_balance: str | None = None
+    """A mixture of experts' load-balancing mode (`gradaccum.models.balance.Balance`): every
+    window through `Balance.step`, against the big batch of cross-entropy plus the LBL
+    (`moe_check.moe_big_batch`: the window's own f, or the window before's for
+    "global-previous"). None: a dense model, `Accumulator.step` with `loss_fn`."""
+    moe_shift: bool = False
+    """With `moe_balance`: labels unshifted, as Hugging Face models take them."""
 
     def __post_init__(self):
         if self.world_size < 1:
@@ -225,7 +238,7 @@ def rank_batches(setup: EquivalenceSetup, rank: int) -> list[dict]:
     count = steps * k
     if setup.short_rank and rank == world - 1 and world > 1:
         count = max(1, (steps - 1) * k - 1)  # a short window, then (if any) an empty one
-    return ragged_batches(
+    batches = ragged_batches(
         "gpt",
         count,
         seed=setup.seed * 1009 + rank,
@@ -233,18 +246,27 @@ def rank_batches(setup: EquivalenceSetup, rank: int) -> list[dict]:
         batch=2 + rank,
         vocab=setup.vocab_size,
     )
+    if setup.moe_balance is not None:  # the routed tokens: the real ones, a prefix of each row
+        for b in batches:
+            b["attention_mask"] = (b["labels"] != IGNORE_INDEX).long()
+    return batches
 
 
 def wrap(model: torch.nn.Module, wrapper: str) -> torch.nn.Module:
-    """`model` under DDP, or sharded with FSDP2: each block of every ModuleList, then the root."""
+    """`model` under DDP, or sharded with FSDP2: each block of every outermost ModuleList (a
+    block's own lists, a mixture of experts' experts, go with it), then the root."""
     if wrapper == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         return DistributedDataParallel(model)
     from torch.distributed.fsdp import fully_shard
 
-    for module in list(model.modules()):
-        if isinstance(module, torch.nn.ModuleList):
+    lists: list[str] = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and not any(
+            name.startswith(f"{outer}.") for outer in lists
+        ):
+            lists.append(name)
             for block in module:
                 fully_shard(block)
     fully_shard(model)
@@ -274,10 +296,16 @@ def run_check_rank(
     )
     batches = [_to(b, info.device) for b in rank_batches(setup, info.rank)]
     k = 1 if setup.step_every_micro_batch else setup.accum_steps
+    balance = None
+    if setup.moe_balance is not None:
+        balance = Balance(model, setup.moe_balance, shift=setup.moe_shift)
     before, results = [], []
     for window in aligned_windows(batches, k):
         before.append(_whole(model))  # every rank: gathering FSDP2 shards is a collective
-        results.append(acc.step(window, loss_fn))
+        if balance is None:
+            results.append(acc.step(window, loss_fn))
+        else:
+            results.append(balance.step(acc, window)[0])
     params = _whole(model)
     if not info.is_main:
         return None
@@ -327,13 +355,20 @@ def single_process_run(
         windows.append(batches)
     starts = ranks["before"] if len(ranks["before"]) == len(windows) else None
     grads, losses, tokens, dtype = [], [], [], torch.float64
+    previous_f = None  # the window before's token fractions, for "global-previous"
     for i, window in enumerate(windows):
         if starts is not None:
             _load(model, starts[i])
-        ref = big_batch_reference(model, _to(big_batch(window), device), loss_fn)
+        if setup.moe_balance is None:
+            ref = big_batch_reference(model, _to(big_batch(window), device), loss_fn)
+            loss_sum, targets = ref.loss_sum, ref.tokens
+        else:
+            f = previous_f if setup.moe_balance == "global-previous" else None
+            ref = moe_big_batch(model, [_to(b, device) for b in window], setup.moe_shift, f=f)
+            loss_sum, targets, previous_f = ref.ce, ref.targets, ref.f
         grads.append([None if g is None else g.detach().cpu() for g in ref.grads])
-        losses.append(ref.loss_sum / ref.tokens)
-        tokens.append(ref.tokens)
+        losses.append(loss_sum / targets)
+        tokens.append(targets)
         dtype = ref.dtype
     after = replay_adamw(ranks["before"], ranks["grads"]) if starts is not None else []
     names = [name for name, _ in model.named_parameters()]

@@ -104,8 +104,10 @@ class _BigBatch:
     grads: Grads
     f: torch.Tensor  # (L, E) float64, the window's own token fractions
     lbl: float  # with the window's own f and P
-    tokens: int
+    tokens: int  # routed
     dtype: torch.dtype
+    ce: float  # the cross-entropy summed over the targets
+    targets: int
 
 
 def _loss_figures(model) -> tuple[float, int]:
@@ -172,7 +174,7 @@ def moe_big_batch(
     used = lbl if f is None else coef * experts * (f.to(dtype) * big_p).sum(1).mean()
     (ce / n + used).backward()
     grads = [None if p.grad is None else p.grad.detach().clone() for _, p in trainable(ref)]
-    return _BigBatch(grads, own_f, float(lbl.detach()), tokens, dtype)
+    return _BigBatch(grads, own_f, float(lbl.detach()), tokens, dtype, float(ce.detach()), n)
 
 
 # ---- the engine, through the balance -----------------------------------------------------
