@@ -55,9 +55,6 @@ class Packing:
     fixed_rows: bool = False
     """--compile: padding-free, every micro-batch `rows` rows, empty rows filling a rank's
     last; window, each micro-batch budget // width rows."""
-    document_ids: bool = True
-    """padding-free: keep the rows' `document_ids` (the built-in GPT reads them; a Hugging
-    Face model takes `position_ids` only)."""
     row_buckets: tuple[int, ...] | None = None
     """padding-free without `fixed_rows`: the widths of bucketed rows (None: rows of
     row_tokens)."""
@@ -112,10 +109,10 @@ def _packed(local, rows, packing: Packing, pad_id: int, layout: str, width: int)
     """One padding-free micro-batch of `rows`, `width` positions wide
     (`packing.collate_packed`), `packing.rows` rows with `fixed_rows`."""
     count = packing.rows if packing.fixed_rows else len(rows)
-    batch = packer.collate_packed(local, rows, width, pad_id, layout, count)
-    if not packing.document_ids:
-        del batch["document_ids"]
-    return batch
+    # document_ids stay whatever the model: the built-in GPT reads them, a Hugging Face model
+    # is handed position_ids only (`models.loss.packed_inputs`), and a mixture of experts'
+    # balance counts the tokens they mark as real (`models.router.routed_mask`)
+    return packer.collate_packed(local, rows, width, pad_id, layout, count)
 
 
 def _stand_in(example: Example, packing: Packing, pad_id: int, layout: str) -> dict:

@@ -245,7 +245,6 @@ class SFTStream:
         buckets = tuple(bucket_lengths(config.seq_len))
         self._buckets = buckets if config.compile else None
         self._row_buckets = None if config.compile else buckets
-        self._document_ids = builtin_gpt(config)
 
     @property
     def micro_batch(self) -> int:
@@ -263,7 +262,6 @@ class SFTStream:
             self.seq_len,
             self._buckets,
             self._compile,
-            self._document_ids,
             self._row_buckets,
         )
 

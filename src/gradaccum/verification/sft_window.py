@@ -121,7 +121,7 @@ def sft_window(
         window = next(order)
     else:
         budget = micro_batch_tokens or micro_batch * seq_len
-        cut = Packing(packing, budget, seq_len, document_ids=layout == "shifted")
+        cut = Packing(packing, budget, seq_len)
         window = packed_window(order, cut)
         big = collate([sft.examples[i] for i in window.indices], tok.pad_id, layout)
     batches = window.micro_batches
