@@ -287,3 +287,43 @@ def test_sft_first_step_is_the_same_in_every_packing_mode(tmp_path, hf_tokenizer
     for key in ("loss", "grad_norm", "moe_lbl", "moe_aux", "moe_load_max"):
         values = [first[key] for first in firsts]
         assert values == pytest.approx([values[0]] * 3, rel=1e-5), key
+
+
+def test_compiled_window_micro_batches_of_a_mixture_of_experts_get_no_empty_rows():
+    """--compile fills window micro-batches with empty rows (attention_mask 1, no target) to
+    one shape per bucket; a mixture of experts' balance would route their tokens, so its
+    stream does not fill them, and the balance then sees the window's own tokens: those of
+    the same examples padded into micro-batches of their own (--packing none)."""
+    from gradaccum import Accumulator
+    from gradaccum.data.packing import collate
+    from gradaccum.data.tokenizers import ByteTokenizer
+    from gradaccum.models.balance import Balance
+    from gradaccum.models.gpt import GPT, GPTConfig
+    from gradaccum.train.sft import SFTStream
+    from gradaccum.verification.reference import GradRecorder
+    from tests.reference import sft_examples
+
+    pad = ByteTokenizer.pad_id
+    examples = sft_examples(seed=5, n=80, seq_len=64)
+    config = TrainConfig(task="sft", seq_len=64, examples_per_step=13, packing="window",
+                         micro_batch_tokens=256, compile=True)  # fmt: skip
+
+    def lbl(batches):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=ByteTokenizer.vocab_size, seq_len=64, n_layer=1,
+                              n_head=2, n_embd=16, n_expert=4, expert_top_k=2))  # fmt: skip
+        acc = Accumulator(model, GradRecorder(model.parameters()))
+        return Balance(model, "global").step(acc, batches)[1]
+
+    filled, unfilled = (next(SFTStream(config, examples, pad, 2, fill_rows=f)) for f in (1, 0))
+    assert filled.indices == unfilled.indices
+    empty = [
+        int((b["labels"] == -100).all(dim=1).sum()) for b in filled.micro_batches
+    ]  # rows with no target: only the filler
+    assert sum(empty) > 0
+    assert all((b["labels"] != -100).any(dim=1).all() for b in unfilled.micro_batches)
+    alone = [collate([examples[i]], pad, "shifted") for i in unfilled.indices]
+    want = lbl(alone)
+    got = lbl(unfilled.micro_batches)
+    assert got.tokens == want.tokens and got.lbl == pytest.approx(want.lbl, rel=1e-6)
+    assert lbl(filled.micro_batches).tokens > want.tokens  # what filling would have routed

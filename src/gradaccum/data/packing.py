@@ -303,7 +303,9 @@ def micro_batches(
 
     "none": runs of `micro_batch` examples, longest first. "window": `micro_batch_tokens`
     per micro-batch, padding included; with `buckets` the width rounded up to a bucket and
-    the rows filled to budget // width (few shapes). "padding-free": rows of at most
+    the rows filled to budget // width (few shapes; an empty row's attention_mask is 1, so a
+    mixture of experts' balance would route its tokens: leave `buckets` out there).
+    "padding-free": rows of at most
     `row_tokens` positions (default: micro_batch_tokens // micro_batch when micro_batch is
     given, the sequence length with the default budget, else micro_batch_tokens); without
     `buckets` max(1, micro_batch_tokens // row_tokens) rows per micro-batch, all of one

@@ -125,7 +125,8 @@ class Run:
         rank, world = self.rank_info.rank, self.rank_info.world_size
         if self.sft is not None:
             pad = self.sft.tokenizer.pad_id
-            return sft.SFTStream(self.config, self.sft.train, pad, micro, rank, world)
+            fill = self.moe is None  # no empty rows the balance would route
+            return sft.SFTStream(self.config, self.sft.train, pad, micro, rank, world, fill)
         data = self.data  # with --document-mask, its eod_id masks each micro-batch
         return Batches(data.train, micro, self.config.seed, rank, world, eod_id=data.eod_id)
 

@@ -212,7 +212,10 @@ class SFTStream:
     """The run's windows (`SFTBatches`, cut per --packing by `sft_packed.packed_window`) as
     the loop, its out-of-memory recovery and its checkpoint read them: `next` a window,
     `position` an opaque place in the data order to rewind to, `set_micro_batch`,
-    `state_dict` / `load_state_dict`."""
+    `state_dict` / `load_state_dict`. fill_rows: with --compile, fill window micro-batches
+    with empty rows to one shape per bucket; False for a mixture of experts, whose balance
+    would count an empty row's tokens (attention_mask 1, so that it attends to something) as
+    routed ones."""
 
     def __init__(
         self,
@@ -222,6 +225,7 @@ class SFTStream:
         micro_batch: int,
         rank: int = 0,
         world_size: int = 1,
+        fill_rows: bool = True,
     ):
         self.inner = SFTBatches(
             examples,
@@ -241,7 +245,7 @@ class SFTStream:
         # --compile: few shapes (length buckets, full micro-batches of rows); otherwise the
         # least padding, and padding-free rows as narrow as their examples allow (a block
         # mask computes each row's full width^2 attention).
-        self._compile = config.compile
+        self._fixed_rows = config.compile and (fill_rows or self.mode != "window")
         buckets = tuple(bucket_lengths(config.seq_len))
         self._buckets = buckets if config.compile else None
         self._row_buckets = None if config.compile else buckets
@@ -261,7 +265,7 @@ class SFTStream:
             budget,
             self.seq_len,
             self._buckets,
-            self._compile,
+            self._fixed_rows,
             self._row_buckets,
         )
 
