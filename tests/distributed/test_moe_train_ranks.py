@@ -57,3 +57,34 @@ def test_a_window_split_over_two_ranks_trains_as_on_one(tmp_path):
             assert b["tokens_per_step"] == a["tokens_per_step"] == 64
             for key in ("loss", "grad_norm", "moe_lbl", "moe_aux", "moe_load_max"):
                 assert b[key] == pytest.approx(a[key], rel=1e-5), (mode, key)
+
+
+def sft_config(out) -> TrainConfig:
+    # two examples a step: on 3 ranks, one rank runs a stand-in (no target, the window's
+    # shortest example) in every window
+    return TrainConfig(
+        out=str(out), task="sft", model="tiny-moe", seq_len=64, examples_per_step=2,
+        micro_batch=1, max_steps=2, eval_every=0, save_every=0, lr=1e-9,
+    )  # fmt: skip
+
+
+def _stand_in(info, root):
+    from gradaccum.train import loop
+
+    loop.Run.build(loop.prepare(sft_config(root)), info).train(None)
+    return info.rank
+
+
+@pytest.mark.slow
+def test_a_rank_without_an_example_routes_no_token(tmp_path):
+    """The stand-in's tokens are not routed: the window's load-balancing loss and expert load
+    are its two examples', as on one process (before, the shortest counted twice)."""
+    ranks = run_ranks(_stand_in, 3, args=(str(tmp_path / "ranks"),), timeout_s=300)
+    assert ranks == [0, 1, 2]
+    train(sft_config(tmp_path / "one"))
+    one, two = first_windows(tmp_path / "one"), first_windows(tmp_path / "ranks")
+    assert len(one) == len(two) == 2
+    for a, b in zip(one, two, strict=True):
+        assert b["tokens_per_step"] == a["tokens_per_step"] > 0
+        for key in ("loss", "grad_norm", "moe_lbl", "moe_aux", "moe_load_max"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5), key

@@ -338,6 +338,11 @@ class Run:
             sft_window = next(self.batches)
             micro_batches, self.window_examples = sft_window.micro_batches, sft_window.examples
         micro_batches = [_to_device(b, self.device) for b in micro_batches]
+        last = micro_batches[-1]
+        if self.sft is not None and not sft_window.shares:
+            # No example of the window on this rank: its stand-in (no target) only joins the
+            # collectives, with weight 0, so that a balance does not route its tokens either.
+            micro_batches = []
         moe = self.moe  # None for a dense model, whose window is only the engine's
         if moe is None:
             window = self.acc.begin_window(micro_batches)  # counts the window's tokens over ranks
@@ -353,7 +358,7 @@ class Run:
             # A rank with fewer micro-batches than another repeats its last with weight 0,
             # so that every rank joins the same collectives.
             real = i < len(micro_batches)
-            micro, weight = micro_batches[i if real else -1], 1.0 if real else 0.0
+            micro, weight = micro_batches[i] if real else last, 1.0 if real else 0.0
             with window.micro_step():  # autocast; gradients sync on the last micro-batch only
                 if moe is None:
                     loss_sum, num_tokens = causal_lm_loss(self.model, micro)
