@@ -17,13 +17,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gradaccum import Accumulator
 from gradaccum.models.balance import Balance
-from gradaccum.testing import GradRecorder, max_rel_error, run_ranks
+from gradaccum.testing import GradRecorder, max_rel_error, run_ranks, wrap
 from tests.models.moe_reference import MODELS, moe_batches, reference
 
 from .ranks import TIMEOUT_S
 
 pytest.importorskip("transformers")
-fsdp = pytest.importorskip("torch.distributed.fsdp", reason="torch without FSDP2")
 pytestmark = pytest.mark.slow  # one spawn of 2 processes for the module
 
 NAMES = ("gpt", "mixtral")
@@ -34,22 +33,8 @@ def windows() -> list[list[dict]]:
     return [moe_batches(5, seed=61), moe_batches(5, seed=62)]
 
 
-def _blocks(model) -> torch.nn.ModuleList:
-    return model.blocks if hasattr(model, "blocks") else model.model.layers
-
-
-def _wrapped(name: str, wrap: str) -> torch.nn.Module:
-    model = MODELS[name]()
-    if wrap == "ddp":
-        return DistributedDataParallel(model)
-    for block in _blocks(model):
-        fsdp.fully_shard(block)
-    fsdp.fully_shard(model)
-    return model
-
-
-def _run(info, name: str, mode: str, wrap: str = "ddp") -> dict:
-    model = _wrapped(name, wrap)
+def _run(info, name: str, mode: str, wrapper: str = "ddp") -> dict:
+    model = wrap(MODELS[name](), wrapper)  # FSDP2: each block, then the root
     recorder = GradRecorder(model.parameters())
     acc = Accumulator(model, recorder)
     balance = Balance(model, mode)
@@ -104,10 +89,10 @@ def both(ranks, key: str) -> dict:
     return first
 
 
-@pytest.mark.parametrize("wrap", ["", "fsdp2_"])
+@pytest.mark.parametrize("prefix", ["", "fsdp2_"])
 @pytest.mark.parametrize("name", NAMES)
-def test_global_on_two_ranks_is_the_big_batch(ranks, name, wrap):
-    got = both(ranks, f"{wrap}{name}_global")
+def test_global_on_two_ranks_is_the_big_batch(ranks, name, prefix):
+    got = both(ranks, f"{prefix}{name}_global")
     model = MODELS[name]()
     for step, window in enumerate(windows()):
         want = reference(model, window, False)
@@ -128,10 +113,10 @@ def test_micro_on_two_ranks_is_the_token_weighted_micro_batch_losses(ranks, name
     assert got["aux"][0] == pytest.approx(own["aux"], rel=1e-6)
 
 
-@pytest.mark.parametrize("wrap", ["", "fsdp2_"])
+@pytest.mark.parametrize("prefix", ["", "fsdp2_"])
 @pytest.mark.parametrize("name", NAMES)
-def test_global_previous_on_two_ranks_takes_the_previous_window_s_f(ranks, name, wrap):
-    got = both(ranks, f"{wrap}{name}_global-previous")
+def test_global_previous_on_two_ranks_takes_the_previous_window_s_f(ranks, name, prefix):
+    got = both(ranks, f"{prefix}{name}_global-previous")
     model = MODELS[name]()
     first, second = windows()
     want_first = reference(model, first, False)

@@ -152,7 +152,7 @@ def _check_fits(case: _Case, sizes: dict) -> None:
 def run(args) -> int:
     sizes = parse_sizes(args)
     case = build_case(args, sizes)
-    moe = _moe_mode(args, case, sizes)
+    moe = _moe_mode(args, case)
     _check_fits(case, sizes)
     progress = _progress(sizes)
     window = _sft(args, case, sizes, sizes["seed"]) if args.task == "sft" else None
@@ -193,7 +193,7 @@ def run(args) -> int:
     return 0 if passed else 1
 
 
-def _moe_mode(args, case: _Case, sizes: dict) -> str | None:
+def _moe_mode(args, case: _Case) -> str | None:
     """The load-balancing mode checked (`moe_check.check_mode`), refused in one line where
     this check cannot take it: on packed rows."""
     mode = check_mode(case.model, args.moe_balance)

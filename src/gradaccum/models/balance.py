@@ -156,13 +156,18 @@ class Balance:
         most = collectives.max_over_ranks(len(micro_batches), group)
         if most == len(micro_batches):
             return []
-        last = micro_batches[-1] if micro_batches else self._last_batch
+        last = self._repeated(micro_batches)
         if last is None:
             raise ValueError(
                 "this rank has no micro-batch in its first window, another has "
                 f"{most}: under FSDP2 its routing pass needs a batch to join their all-gathers"
             )
         return [last] * (most - len(micro_batches))
+
+    def _repeated(self, micro_batches: Sequence[Mapping]) -> Mapping | None:
+        """The batch a rank with fewer micro-batches than another runs again: its last, or
+        without one the last of its previous window (None before any)."""
+        return micro_batches[-1] if micro_batches else self._last_batch
 
     def begin(self, window) -> None:
         """Read the window's routed tokens T (and, with a routing pass, its counts) from
@@ -289,7 +294,7 @@ class Balance:
         extra = self.prepare(model, micro_batches, acc)
         tokens = int(sum(count_targets(b["labels"], self.shift) for b in micro_batches))
         window = acc.begin_window(micro_batches, tokens=tokens, extra_sums=extra)
-        last = micro_batches[-1] if micro_batches else self._last_batch
+        last = self._repeated(micro_batches)
         try:
             self.begin(window)
             for i in range(window.micro_steps):

@@ -12,13 +12,18 @@ from __future__ import annotations
 import torch
 
 
-def first_block(model: torch.nn.Module) -> torch.nn.Module | None:
-    """The first transformer block: element 0 of the longest ModuleList that is not inside
-    another's elements (a mixture of experts' list of experts, inside a block, can be longer
-    than the list of blocks); None if there is none."""
+def outer_lists(model: torch.nn.Module) -> list[torch.nn.ModuleList]:
+    """The model's non-empty ModuleLists that are not inside another's elements: its lists of
+    blocks (a mixture of experts' list of experts, inside a block, is not one)."""
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
     nested = {id(inner) for outer in lists for item in outer for inner in item.modules()}
-    outer = [m for m in lists if id(m) not in nested]
+    return [m for m in lists if id(m) not in nested]
+
+
+def first_block(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The first transformer block: element 0 of the longest of `outer_lists` (a list of
+    experts can be longer than the list of blocks); None if there is none."""
+    outer = outer_lists(model)
     return max(outer, key=len)[0] if outer else None
 
 

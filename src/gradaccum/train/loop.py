@@ -125,7 +125,7 @@ class Run:
         rank, world = self.rank_info.rank, self.rank_info.world_size
         if self.sft is not None:
             pad = self.sft.tokenizer.pad_id
-            fill = self.moe is None  # no empty rows the balance would route
+            fill = self.moe is None  # no empty rows for a balance to route
             return sft.SFTStream(self.config, self.sft.train, pad, micro, rank, world, fill)
         data = self.data  # with --document-mask, its eod_id masks each micro-batch
         return Batches(data.train, micro, self.config.seed, rank, world, eod_id=data.eod_id)
@@ -339,10 +339,8 @@ class Run:
             micro_batches, self.window_examples = sft_window.micro_batches, sft_window.examples
         micro_batches = [_to_device(b, self.device) for b in micro_batches]
         last = micro_batches[-1]
-        if self.sft is not None and not sft_window.shares:
-            # No example of the window on this rank: its stand-in (no target) only joins the
-            # collectives, with weight 0, so that a balance does not route its tokens either.
-            micro_batches = []
+        if self.sft is not None and not sft_window.shares:  # no example here: the stand-in
+            micro_batches = []  # only joins the collectives, weight 0, routing no token
         moe = self.moe  # None for a dense model, whose window is only the engine's
         if moe is None:
             window = self.acc.begin_window(micro_batches)  # counts the window's tokens over ranks

@@ -33,6 +33,7 @@ import torch
 
 from ..engine.accumulator import Accumulator
 from ..models.balance import Balance
+from ..models.checkpointing import outer_lists
 from ..models.loss import IGNORE_INDEX, causal_lm_loss
 from ..parallel.process_group import RankInfo, aligned_windows
 from .moe_check import moe_big_batch
@@ -261,14 +262,9 @@ def wrap(model: torch.nn.Module, wrapper: str) -> torch.nn.Module:
         return DistributedDataParallel(model)
     from torch.distributed.fsdp import fully_shard
 
-    lists: list[str] = []
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.ModuleList) and not any(
-            name.startswith(f"{outer}.") for outer in lists
-        ):
-            lists.append(name)
-            for block in module:
-                fully_shard(block)
+    for blocks in outer_lists(model):
+        for block in blocks:
+            fully_shard(block)
     fully_shard(model)
     return model
 
