@@ -47,7 +47,7 @@ part precision 60 "$PY" - "$WORK/precision.json" <<'PYEOF'
 import copy, json, sys
 import torch
 from gradaccum import Accumulator
-from gradaccum.bench.data import big_batch_gradient, make_windows, snapshot, update_error
+from gradaccum.bench.pretrain.data import big_batch_gradient, make_windows, snapshot, update_error
 from gradaccum.models.build import build_model
 from gradaccum.models.loss import causal_lm_loss
 

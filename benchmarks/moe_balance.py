@@ -28,19 +28,19 @@ import time
 import torch
 
 from gradaccum import Accumulator
-from gradaccum.bench.data import make_windows
-from gradaccum.models.balance import Balance
+from gradaccum.bench.pretrain.data import make_windows
 from gradaccum.models.build import build_model
 from gradaccum.models.loss import IGNORE_INDEX
+from gradaccum.moe.balance import Balance
 from gradaccum.train.config import TrainConfig
 from gradaccum.train.loop import train
-from gradaccum.train.metrics import read_metrics
+from gradaccum.train.rundir.metrics import read_metrics
 from gradaccum.utils.atomic import write_text_atomic
 from gradaccum.utils.choices import MOE_BALANCES
 
 
 def ragged_windows(n_windows, k, micro_batch, seq_len, vocab, seed=0):
-    """`gradaccum.bench.data.make_windows` (rows of 1 to seq_len real tokens, labels -100 past
+    """`gradaccum.bench.pretrain.data.make_windows` (rows of 1 to seq_len real tokens, labels -100 past
     them) with the padding said in an attention_mask, as the trainer's SFT micro-batches do:
     the balance routes only the real tokens."""
     windows = make_windows(n_windows, k, micro_batch, seq_len, vocab, seed)

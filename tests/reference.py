@@ -18,10 +18,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gradaccum import Accumulator
-from gradaccum.data.sft import tokenize_rows
-from gradaccum.data.sft_examples import Example
-from gradaccum.data.sft_rows import rows_from_dicts
-from gradaccum.data.sft_tasks import builtin_rows
+from gradaccum.data.sft.builtin import builtin_rows
+from gradaccum.data.sft.examples import Example
+from gradaccum.data.sft.load import tokenize_rows
+from gradaccum.data.sft.rows import rows_from_dicts
 from gradaccum.data.tokenizers import ByteTokenizer
 from gradaccum.models.gpt import GPT, GPTConfig
 from gradaccum.testing import (  # noqa: F401 - re-exported for the tests

@@ -14,7 +14,7 @@ loss is summed over the targets that remain after the shift:
 `count_tokens` must shift too: counting `labels != -100` before the shift counts each row's
 first label, which no position predicts.
 
-Packed rows (`gradaccum.data.packing`, layout "unshifted"): several examples in a row with
+Packed rows (`gradaccum.data.sft.packing`, layout "unshifted"): several examples in a row with
 position_ids restarting at each and no attention_mask. transformers (5.x, through
 `masking_utils.find_packed_sequence_indices`) then restricts attention to each example for
 the sdpa, eager and flex_attention implementations, and flash attention reads the same
@@ -29,7 +29,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .models.loss import IGNORE_INDEX, count_targets, logits_of, targets, token_sum_loss
+from gradaccum.models.loss import IGNORE_INDEX, count_targets, logits_of, targets, token_sum_loss
 
 __all__ = [
     "IGNORE_INDEX",

@@ -23,9 +23,9 @@ module builds none of its own.
 
 from __future__ import annotations
 
-from .models.loss import IGNORE_INDEX
-from .models.loss import causal_lm_loss as token_loss
-from .verification.equivalence import (
+from gradaccum.models.loss import IGNORE_INDEX
+from gradaccum.models.loss import causal_lm_loss as token_loss
+from gradaccum.verification.equivalence import (
     WRAPPERS,
     EquivalenceReport,
     EquivalenceSetup,
@@ -41,8 +41,8 @@ from .verification.equivalence import (
     step_tolerance,
     wrap,
 )
-from .verification.ranks import check_world_size, free_port, rank_capacity, run_ranks
-from .verification.reference import (
+from gradaccum.verification.ranks import check_world_size, free_port, rank_capacity, run_ranks
+from gradaccum.verification.reference import (
     GradRecorder,
     adam_ratio_bound,
     adamw,

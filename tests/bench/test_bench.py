@@ -11,10 +11,11 @@ import torch
 import torch.nn.functional as F
 
 from gradaccum.bench import BenchConfig, render_table, run_bench, to_json
-from gradaccum.bench.data import make_windows
+from gradaccum.bench.pretrain.data import make_windows
 from gradaccum.cli import bench as bench_cli
 from gradaccum.cli.common import ArgumentParser
 from gradaccum.models.build import build_model
+from gradaccum.settings.command import add_command
 from gradaccum.utils.errors import BadInput
 
 SMALL = {"micro_batch": 2, "accum_steps": 4, "seq_len": 16, "rounds": 1, "windows": 1}
@@ -32,7 +33,7 @@ RESULT_FIELDS = {
 def cli(argv: list[str]) -> int:
     """`gradaccum bench ARGV` through the subcommand's own parser."""
     parser = ArgumentParser(prog="gradaccum")
-    bench_cli.add_parser(parser.add_subparsers(dest="command"), "bench")
+    add_command(parser.add_subparsers(dest="command"), bench_cli.COMMAND)
     args = parser.parse_args(["bench", *argv])
     return args.run(args)
 
@@ -124,8 +125,7 @@ def test_table_names_who_divides_by_k(no_peers):
 
 
 def test_it_says_what_it_will_run_before_the_first_step_then_each_figure(monkeypatch):
-    from gradaccum.bench import measure
-
+    from gradaccum.bench.pretrain import measure
     heard = []
     real = measure.big_batch_gradient
 
@@ -166,7 +166,7 @@ def test_a_missing_peer_is_skipped_with_its_reason(monkeypatch, capsys):
             raise ImportError("No module named 'lightning'")
         return real(name, *args)
 
-    monkeypatch.setattr("gradaccum.bench.loops.importlib.import_module", fake)
+    monkeypatch.setattr("gradaccum.bench.pretrain.loops.importlib.import_module", fake)
     assert (
         cli(
             [

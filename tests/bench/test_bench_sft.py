@@ -11,12 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gradaccum.bench import sft_data
-from gradaccum.bench.sft_config import SFTBenchConfig
-from gradaccum.bench.sft_measure import build_hf, run_sft_bench
-from gradaccum.bench.sft_report import render_table, to_json
+from gradaccum.bench.sft import data as sft_data
+from gradaccum.bench.sft.config import SFTBenchConfig
+from gradaccum.bench.sft.measure import build_hf, run_sft_bench
+from gradaccum.bench.sft.report import render_table, to_json
 from gradaccum.cli import bench as bench_cli
 from gradaccum.cli.common import ArgumentParser
+from gradaccum.settings.command import add_command
 from gradaccum.utils.errors import BadInput
 
 pytest.importorskip("transformers")
@@ -28,7 +29,7 @@ PADDED_IN_ORDER = ("hand-loop", "trl", "trainer")
 
 def cli(argv: list[str]) -> int:
     parser = ArgumentParser(prog="gradaccum")
-    bench_cli.add_parser(parser.add_subparsers(dest="command"), "bench")
+    add_command(parser.add_subparsers(dest="command"), bench_cli.COMMAND)
     args = parser.parse_args(["bench", *argv])
     return args.run(args)
 

@@ -1,10 +1,12 @@
-"""The flags several commands share: one definition each (`gradaccum.cli.flags`), read alike in
-every command that offers them; the parsers build, and bad flags are refused, without torch."""
+"""The five commands' flags: generated from the settings components (`gradaccum.settings`),
+each flag defined once, help grouped by component, read alike in every command that offers
+them; the parsers build, and bad flags are refused, without torch."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import traceback
@@ -13,15 +15,13 @@ from dataclasses import fields
 import pytest
 
 from gradaccum.bench import BenchConfig
-from gradaccum.cli import build_parser, main
-from gradaccum.cli.bench import COUNTS
+from gradaccum.bench.settings import BENCH_DEFAULTS
+from gradaccum.cli import COMMANDS, build_parser, main
 from gradaccum.fit import BATCH_TOLERANCE
-from gradaccum.utils.choices import BUILTIN_MODELS, PRECISIONS
+from gradaccum.settings.docs import title
 
-FLAGS_PY = os.path.join("gradaccum", "cli", "flags.py")
-GENERIC = {"_add", "count", "size", "seconds", "number"}
-"""cli/flags.py's helpers for a command's own numbers: the flag is defined where they are
-called."""
+SRC = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+GENERATOR = os.path.join("gradaccum", "settings", "command.py")
 
 
 def commands() -> dict[str, argparse.ArgumentParser]:
@@ -39,64 +39,64 @@ def options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
     }
 
 
-def shared_flags() -> list[str]:
-    offered = [set(options(p)) for p in commands().values()]
-    return sorted(f for f in set().union(*offered) if sum(f in o for o in offered) > 1)
+def test_no_add_argument_outside_the_generator():
+    calls = []
+    for folder, _, files in os.walk(os.path.join(SRC, "src", "gradaccum")):
+        for name in files:
+            path = os.path.join(folder, name)
+            if name.endswith(".py") and not path.endswith(GENERATOR):
+                text = open(path).read()
+                calls += [path for _ in re.finditer(r"\badd_argument\(", text)]
+    assert calls == []
 
 
-def definition_sites(monkeypatch) -> dict[str, set]:
-    """Flag -> where it is defined: the `add_argument` call's place in gradaccum.cli, or the
-    function of cli/flags.py that adds it."""
+def test_every_flag_of_the_five_commands_is_one_field_added_in_one_place(monkeypatch):
     sites: dict[str, set] = {}
     add = argparse._ActionsContainer.add_argument
 
     def traced(self, *names, **kw):
-        frames = [f for f in traceback.extract_stack()[:-1] if "gradaccum" in f.filename]
-        frame = next(
-            f for f in reversed(frames) if not (f.filename.endswith(FLAGS_PY) and f.name in GENERIC)
-        )
-        site = frame.name if frame.filename.endswith(FLAGS_PY) else frame.lineno
+        frame = [f for f in traceback.extract_stack()[:-1] if "gradaccum" in f.filename][-1]
         for name in names:
-            sites.setdefault(name, set()).add((os.path.basename(frame.filename), site))
+            sites.setdefault(name, set()).add((os.path.basename(frame.filename), frame.lineno))
         return add(self, *names, **kw)
 
     monkeypatch.setattr(argparse._ActionsContainer, "add_argument", traced)
-    build_parser()
-    return sites
+    parsers = commands()
+    assert set(parsers) == set(COMMANDS) == {"plan", "train", "fit", "verify", "bench"}
+    for flag, where in sites.items():
+        assert {w[0] for w in where} == {"command.py"}, (flag, where)
+    # one field per flag: a flag several commands take comes from the same component field
+    owners: dict[str, set] = {}
+    for parser in parsers.values():
+        command = parser.get_default("command_spec")
+        for name, (component, _) in command.fields().items():
+            owners.setdefault(name, set()).add(component)
+    assert all(len(o) == 1 for o in owners.values()), {n: o for n, o in owners.items() if len(o) > 1}
+    shared = [n for n in owners if sum(n in p.get_default("command_spec").fields()
+                                       for p in parsers.values()) > 1]  # fmt: skip
+    assert {"model", "precision", "seq_len", "json", "device", "micro_batch"} <= set(shared)
 
 
-def test_a_flag_of_several_commands_is_defined_once_in_flags_py(monkeypatch):
-    shared = shared_flags()
-    assert {"--model", "--precision", "--seq-len", "--json", "--device"} <= set(shared)
-    sites = definition_sites(monkeypatch)
-    for flag in shared:
-        assert len(sites[flag]) == 1, (flag, sites[flag])
-        (where,) = sites[flag]
-        assert where[0] == "flags.py", (flag, where)
+@pytest.mark.parametrize("name", ["plan", "train", "fit", "verify", "bench"])
+def test_help_is_grouped_by_component(name):
+    parser = commands()[name]
+    command = parser.get_default("command_spec")
+    titles = {title(c) for c, _ in command.fields().values()}
+    groups = {g.title: g for g in parser._action_groups}
+    assert titles <= set(groups) and len(titles) >= 3
+    for component, f in command.fields().values():
+        group = groups[title(component)]
+        assert any(a.dest == f.name for a in group._group_actions), f.name
+    assert not [a for a in groups["options"]._group_actions if a.dest != "help"]
 
 
-@pytest.mark.parametrize("flag", shared_flags())
-def test_a_shared_flag_has_one_metavar_and_one_set_of_choices(flag):
-    # train's values go to TrainConfig as typed (it reads the same keys from TOML): its
-    # flags take the field's help and metavar, and TrainConfig checks the choices
-    seen = {
-        name: options(p)[flag]
-        for name, p in commands().items()
-        if name != "train" and flag in options(p)
-    }
-    assert len({a.metavar for a in seen.values()}) == 1, {n: a.metavar for n, a in seen.items()}
-    assert len({tuple(a.choices or ()) for a in seen.values()}) == 1
-
-
-def test_precisions_and_built_in_presets_are_the_listed_ones():
-    for name, parser in commands().items():
-        opts = options(parser)
-        if name != "train" and "--precision" in opts:
-            assert tuple(opts["--precision"].choices) == PRECISIONS
-        if name in ("fit", "verify", "bench"):
-            assert (
-                f"built-in GPT: {', '.join(BUILTIN_MODELS)} (default tiny)" in opts["--model"].help
-            )
+def test_bench_help_shows_the_sft_defaults_beside_the_pretraining_ones(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--task", "sft", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    sft, pretrain = BENCH_DEFAULTS["sft"], BENCH_DEFAULTS["pretrain"]
+    assert f"(default {pretrain['micro_batch']}; --task sft {sft['micro_batch']})" in text
+    assert f"(default {pretrain['seq_len']}; --task sft {sft['seq_len']})" in text
 
 
 @pytest.mark.parametrize(
@@ -104,22 +104,27 @@ def test_precisions_and_built_in_presets_are_the_listed_ones():
     [
         ("--seq-len", "abc", "not a number or size (examples: 4M, 262k, 7B, 1e6)"),
         ("--seq-len", "1.5", "not a whole number"),
-        ("--micro-batch", "0", "must be greater than zero"),
+        ("--micro-batch", "0", "must be a whole number >= 1 or auto"),
         ("--seed", "-1", "must not be negative"),
-        ("--model", "tiny2", "unknown preset; choose one of tiny, small, gpt2-124m, tiny-moe"),
     ],
 )
 def test_a_bad_value_of_a_shared_flag_is_refused_in_the_same_words_everywhere(
     capsys, flag, value, why
 ):
-    offering = [
-        n for n, p in commands().items() if n not in ("train", "plan") and flag in options(p)
-    ]
-    assert offering
+    offering = [n for n, p in commands().items() if n != "plan" and flag in options(p)]
+    assert len(offering) >= 3
     for name in offering:
-        code = main([name, f"{flag}={value}"])
+        code = main([name, f"{flag}={value}", "--out", "/nonexistent/x"] if name == "train"
+                    else [name, f"{flag}={value}"])  # fmt: skip
         out, err = capsys.readouterr()
         assert (code, out, err) == (2, "", f"gradaccum: error: {flag} {value}: {why}\n"), name
+
+
+def test_an_unknown_preset_is_refused_in_the_same_words_everywhere(capsys):
+    why = "unknown preset; choose one of tiny, small, gpt2-124m, tiny-moe"
+    for name in ("fit", "verify", "bench"):
+        assert main([name, "--model", "tiny2"]) == 2
+        assert capsys.readouterr().err == f"gradaccum: error: --model tiny2: {why}\n", name
 
 
 def test_parsers_build_plans_run_and_bad_flags_are_refused_without_torch():
@@ -139,12 +144,9 @@ def test_parsers_build_plans_run_and_bad_flags_are_refused_without_torch():
 
 
 def test_defaults_the_help_states_are_the_ones_that_apply():
-    # bench's and fit's parsers build without torch, so their help states defaults that
-    # BenchConfig and the fit search hold: the same numbers
     bench, fit = options(commands()["bench"]), options(commands()["fit"])
     defaults = {f.name: f.default for f in fields(BenchConfig)}
-    for dest in COUNTS:
+    for dest in ("micro_batch", "accum_steps", "seq_len", "rounds", "windows"):
         flag = "--" + dest.replace("_", "-")
-        assert bench[flag].default is None  # BenchConfig fills it in
-        assert f"(default {defaults[dest]})" in bench[flag].help, flag
+        assert f"(default {defaults[dest]}" in " ".join(bench[flag].help.split()), flag
     assert f"(default {BATCH_TOLERANCE:.0%}%)" in fit["--batch-tolerance"].help

@@ -159,7 +159,7 @@ def test_subprocess_no_traceback_and_no_torch():
     )
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines() == [
-        "gradaccum: error: --micro-batch 0: must be greater than zero"
+        "gradaccum: error: --micro-batch 0: must be a whole number >= 1 or auto"
     ]
 
 

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from gradaccum.data.sft_rows import read_rows
+from gradaccum.data.sft.rows import read_rows
 from gradaccum.data.tokens import load_tokens
 
 datasets = pytest.importorskip("datasets")

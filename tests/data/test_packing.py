@@ -1,4 +1,4 @@
-"""A window's examples in each `--packing` mode (`gradaccum.data.packing`) through the engine:
+"""A window's examples in each `--packing` mode (`gradaccum.data.sft.packing`) through the engine:
 the gradient equals one big batch over the same examples, computed without the packer or the
 engine (`tests.reference.sft_big_batch_grads`: every example right-padded into one float64
 batch, plain causal attention, the loss summed over the targets / N, one backward); the
@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradaccum.data.packing import (
+from gradaccum.data.sft.examples import make_example
+from gradaccum.data.sft.packing import (
     PACKINGS,
     bucket_lengths,
     collate_packed,
@@ -19,7 +20,6 @@ from gradaccum.data.packing import (
     pack_rows,
     window_micro_batches,
 )
-from gradaccum.data.sft_examples import make_example
 from gradaccum.data.tokenizers import ByteTokenizer
 from gradaccum.utils.errors import BadInput
 from tests.reference import byte_gpt as gpt  # the short names test_packing_buckets imports

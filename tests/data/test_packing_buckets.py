@@ -1,4 +1,4 @@
-"""Bucketed shapes (`gradaccum.data.packing`): padding-free rows as wide as the bucket of the
+"""Bucketed shapes (`gradaccum.data.sft.packing`): padding-free rows as wide as the bucket of the
 example opening them, and window micro-batches filled to budget // width rows by empty rows.
 Layouts checked against hand-derived ones; gradients against the float64 big batch of
 tests/data/test_packing.py (no packer, no engine, no document mask)."""
@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from gradaccum.data.packing import (
+from gradaccum.data.sft.examples import make_example
+from gradaccum.data.sft.packed import Packing, rank_micro_batches
+from gradaccum.data.sft.packing import (
     bucket_lengths,
     collate_window,
     micro_batches,
@@ -15,8 +17,6 @@ from gradaccum.data.packing import (
     pack_rows,
     window_micro_batches,
 )
-from gradaccum.data.sft_examples import make_example
-from gradaccum.data.sft_packed import Packing, rank_micro_batches
 
 from .test_packing import PAD, big_batch_grads, engine_grads, gpt, rel_error, sft_examples
 

@@ -7,8 +7,8 @@ import sys
 import numpy as np
 import pytest
 
-from gradaccum.data.sft import load_sft, tokenize_rows
-from gradaccum.data.sft_rows import rows_from_dicts
+from gradaccum.data.sft.load import load_sft, tokenize_rows
+from gradaccum.data.sft.rows import rows_from_dicts
 from gradaccum.data.tokenizers import load_tokenizer
 from gradaccum.utils.errors import BadInput
 

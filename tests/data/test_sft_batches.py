@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradaccum.data.sft_batches import SFTBatches, split_heldout, split_window
-from gradaccum.data.sft_examples import make_example
+from gradaccum.data.sft.examples import make_example
+from gradaccum.data.sft.windows import SFTBatches, split_heldout, split_window
 from gradaccum.utils.errors import BadInput
 
 

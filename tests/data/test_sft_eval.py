@@ -5,11 +5,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import gradaccum.data.sft_tasks as tasks
-from gradaccum.data.sft import tokenize_rows
-from gradaccum.data.sft_eval import exact_match, greedy_generate, heldout_loss
-from gradaccum.data.sft_examples import make_example
-from gradaccum.data.sft_rows import rows_from_dicts
+import gradaccum.data.sft.builtin as tasks
+from gradaccum.data.sft.evaluation import exact_match, greedy_generate, heldout_loss
+from gradaccum.data.sft.examples import make_example
+from gradaccum.data.sft.load import tokenize_rows
+from gradaccum.data.sft.rows import rows_from_dicts
 from gradaccum.data.tokenizers import ByteTokenizer
 from gradaccum.models.gpt import GPT, GPTConfig
 
@@ -166,7 +166,7 @@ def test_heldout_loss_equals_the_per_example_sum():
 def test_heldout_loss_of_an_hf_model_unshifted(make_hf_folder, hf_tok, write_jsonl):
     from transformers import AutoModelForCausalLM
 
-    from gradaccum.data.sft import load_sft
+    from gradaccum.data.sft.load import load_sft
 
     model = AutoModelForCausalLM.from_pretrained(make_hf_folder("llama"), local_files_only=True)
     rows = [

@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from gradaccum.data.sft import load_sft, tokenize_rows
-from gradaccum.data.sft_rows import read_rows, rows_from_dicts
+from gradaccum.data.sft.load import load_sft, tokenize_rows
+from gradaccum.data.sft.rows import read_rows, rows_from_dicts
 
 PAIRS = [
     {"prompt": "reverse: abc\n", "completion": "cba"},

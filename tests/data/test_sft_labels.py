@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from gradaccum import Accumulator, hf
-from gradaccum.data.sft import load_sft
-from gradaccum.data.sft_batches import SFTBatches, collate
+from gradaccum.data.sft.load import load_sft
+from gradaccum.data.sft.windows import SFTBatches, collate
 from gradaccum.engine.accumulator import count_labels
 from gradaccum.models.gpt import GPT, GPTConfig
 from gradaccum.models.loss import causal_lm_loss

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gradaccum.data.sft import load_sft, quantiles
+from gradaccum.data.sft.load import load_sft, quantiles
 
 
 def rows_of(prompt_lens, completion_lens):

@@ -7,9 +7,9 @@ from collections import Counter
 import numpy as np
 import pytest
 
-import gradaccum.data.sft_tasks as tasks
-from gradaccum.data.sft import tokenize_rows
-from gradaccum.data.sft_rows import rows_from_dicts
+import gradaccum.data.sft.builtin as tasks
+from gradaccum.data.sft.load import tokenize_rows
+from gradaccum.data.sft.rows import rows_from_dicts
 from gradaccum.data.tokenizers import ByteTokenizer
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gradaccum.data.sft_batches import SFTBatches
+from gradaccum.data.sft.windows import SFTBatches
 from gradaccum.data.tokenizers import ByteTokenizer
 from tests.reference import byte_gpt, engine_grads, rel_error, sft_big_batch_grads, sft_examples
 

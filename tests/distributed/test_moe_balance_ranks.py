@@ -16,7 +16,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from gradaccum import Accumulator
-from gradaccum.models.balance import Balance
+from gradaccum.moe.balance import Balance
 from gradaccum.testing import GradRecorder, max_rel_error, run_ranks, wrap
 from tests.models.moe_reference import MODELS, moe_batches, reference
 

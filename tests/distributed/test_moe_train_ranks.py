@@ -15,7 +15,7 @@ from gradaccum.data.corpus import MarkovCorpus
 from gradaccum.testing import run_ranks
 from gradaccum.train.config import TrainConfig
 from gradaccum.train.loop import train
-from gradaccum.train.metrics import read_metrics
+from gradaccum.train.rundir.metrics import read_metrics
 
 MODES = ("global", "micro", "global-previous")
 

@@ -1,5 +1,5 @@
 """Each `--packing` mode on 2 gloo ranks under DDP: every rank packs its share of the window
-(longest first, dealt round-robin) with `gradaccum.data.packing.micro_batches`, the engine
+(longest first, dealt round-robin) with `gradaccum.data.sft.packing.micro_batches`, the engine
 sums the targets N over the ranks (a rank with fewer micro-batches repeats one with weight
 0), and the gradient equals one process's big batch over the whole window, computed without
 the packer or the engine (`tests.reference.sft_big_batch_grads`: every example right-padded
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from gradaccum.data.packing import PACKINGS, micro_batches
+from gradaccum.data.sft.packing import PACKINGS, micro_batches
 from gradaccum.data.tokenizers import ByteTokenizer
 from gradaccum.models.loss import causal_lm_loss
 from gradaccum.testing import run_ranks

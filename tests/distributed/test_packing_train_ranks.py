@@ -12,7 +12,7 @@ import pytest
 from gradaccum.testing import run_ranks
 from gradaccum.train.config import TrainConfig
 from gradaccum.train.loop import train
-from gradaccum.train.metrics import read_metrics
+from gradaccum.train.rundir.metrics import read_metrics
 
 MODES = ("none", "window", "padding-free")
 STEPS = 3

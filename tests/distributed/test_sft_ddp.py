@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from gradaccum.data.sft_batches import SFTBatches
+from gradaccum.data.sft.windows import SFTBatches
 from gradaccum.data.tokenizers import ByteTokenizer
 from gradaccum.models.loss import causal_lm_loss
 from gradaccum.testing import run_ranks

@@ -20,9 +20,9 @@ import torch
 
 from gradaccum.data.corpus import MarkovCorpus
 from gradaccum.testing import adamw_drift_bound
-from gradaccum.train import checkpoint
 from gradaccum.train.loop import TrainConfig, train
-from gradaccum.train.metrics import read_metrics
+from gradaccum.train.rundir import checkpoint
+from gradaccum.train.rundir.metrics import read_metrics
 
 STEPS = 4
 

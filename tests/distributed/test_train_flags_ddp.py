@@ -17,7 +17,7 @@ from gradaccum.data.corpus import MarkovCorpus
 from gradaccum.parallel import collectives
 from gradaccum.testing import run_ranks
 from gradaccum.train.config import TrainConfig
-from gradaccum.train.metrics import read_metrics
+from gradaccum.train.rundir.metrics import read_metrics
 
 K = 4  # micro-batches per window on each rank
 

@@ -19,10 +19,10 @@ import torch
 
 from gradaccum.data.corpus import MarkovCorpus
 from gradaccum.testing import adamw_drift_bound, run_ranks
-from gradaccum.train import checkpoint
 from gradaccum.train.config import TrainConfig
 from gradaccum.train.loop import train
-from gradaccum.train.metrics import read_metrics
+from gradaccum.train.rundir import checkpoint
+from gradaccum.train.rundir.metrics import read_metrics
 
 K = 4  # per rank
 

@@ -11,8 +11,9 @@ import json
 import pytest
 
 from gradaccum.cli import build_parser, main
-from gradaccum.cli import verify_run as verify_cli
+from gradaccum.cli.verify import parse_sizes
 from gradaccum.testing import check_equivalences, rank_batches
+from gradaccum.verification.cases import build_case, world_setups
 from gradaccum.verification.check import TOLERANCES
 
 pytestmark = pytest.mark.slow
@@ -60,9 +61,9 @@ def _cli_setups(world: int):
         args = build_parser().parse_args(
             ["verify", "--world-size", str(world), "--seed", str(seed)]
         )
-        sizes = verify_cli.parse_sizes(args)
-        case = verify_cli.build_case(args, sizes)
-        setups += verify_cli.world_setups(case, sizes)
+        sizes = parse_sizes(args)
+        case = build_case(args, sizes)
+        setups += world_setups(case, sizes)
     return case, setups
 
 

@@ -11,8 +11,9 @@ import torch
 
 from gradaccum import fit
 from gradaccum.cli import build_parser, fit_run, main
-from gradaccum.cli.flags import model_source
 from gradaccum.models.loss import causal_lm_loss
+from gradaccum.models.settings import model_source
+from gradaccum.settings.command import namespace
 
 pytest.importorskip("peft")
 
@@ -26,7 +27,7 @@ FIT = ["fit", "--seq-len", "32", "--tokens-per-step", "256", "--device", "cpu"]
 
 
 def _probe(*extra):
-    args = build_parser().parse_args([*FIT, *extra])
+    args = namespace(build_parser().parse_args([*FIT, *extra]))
     return fit_run.probe_model(args, model_source(args), torch.device("cpu"))
 
 

@@ -1,5 +1,5 @@
 """Mixture-of-experts models for the balance tests, ragged data, and the big-batch reference
-of the load-balancing loss, computed here without the engine or `gradaccum.models.balance`.
+of the load-balancing loss, computed here without the engine or `gradaccum.moe.balance`.
 
 The reference: every example of the window padded into one float64 batch, one forward with
 router logits, the cross-entropy summed over the targets divided by their count N, plus

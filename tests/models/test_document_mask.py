@@ -1,4 +1,4 @@
-"""Document masking: a padding-free row (`gradaccum.data.packing.collate_packed`) gives each of
+"""Document masking: a padding-free row (`gradaccum.data.sft.packing.collate_packed`) gives each of
 its examples the logits the example has run alone, through the built-in GPT (document_ids, a
 block-causal SDPA mask) and Hugging Face Llama and GPT-2 built from config (restarting
 position_ids, transformers' packed-sequence masks); and the loss helpers pass what each needs."""
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from gradaccum import hf
-from gradaccum.data.packing import collate_packed
-from gradaccum.data.sft_examples import make_example
+from gradaccum.data.sft.examples import make_example
+from gradaccum.data.sft.packing import collate_packed
 from gradaccum.models.gpt import GPT, GPTConfig
 from gradaccum.models.loss import causal_lm_loss, packed_inputs, token_sum_loss
 from tests.conftest import tiny_config

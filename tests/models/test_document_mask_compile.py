@@ -11,11 +11,11 @@ import torch
 from torch._dynamo.utils import counters
 
 from gradaccum import Accumulator
-from gradaccum.data.packing import bucket_lengths, micro_batches
-from gradaccum.data.sft import tokenize_rows
-from gradaccum.data.sft_batches import SFTBatches
-from gradaccum.data.sft_rows import rows_from_dicts
-from gradaccum.data.sft_tasks import builtin_rows
+from gradaccum.data.sft.builtin import builtin_rows
+from gradaccum.data.sft.load import tokenize_rows
+from gradaccum.data.sft.packing import bucket_lengths, micro_batches
+from gradaccum.data.sft.rows import rows_from_dicts
+from gradaccum.data.sft.windows import SFTBatches
 from gradaccum.data.tokenizers import ByteTokenizer
 from gradaccum.models.gpt import GPT, GPTConfig
 from gradaccum.models.loss import causal_lm_loss

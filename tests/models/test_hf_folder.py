@@ -97,7 +97,7 @@ def test_bf16_weights_stay_bf16_bit_for_bit(make_hf_folder, layout):
 
 
 def test_the_projects_own_checkpoint_of_an_hf_model_still_loads(tmp_path, make_hf_folder):
-    # config.json (a Hugging Face config) and model.pt, as train/checkpoint.py writes them
+    # config.json (a Hugging Face config) and model.pt, as train/rundir/checkpoint.py writes them
     source, _ = build_model(init_from=make_hf_folder("gpt2", seed=2))
     torch.save(source.state_dict(), tmp_path / "model.pt")
     (tmp_path / "config.json").write_text(json.dumps(source.config.to_dict()))
@@ -113,7 +113,7 @@ def test_the_projects_own_checkpoint_of_an_hf_model_still_loads(tmp_path, make_h
 def test_a_checkpoint_of_a_loaded_folder_rebuilds_in_the_dtype_loaded(
     tmp_path, make_hf_folder, dtype, want
 ):
-    # What train/checkpoint.py writes for an HF model: model.pt and ModelInfo.config.
+    # What train/rundir/checkpoint.py writes for an HF model: model.pt and ModelInfo.config.
     source, info = build_model(init_from=make_hf_folder("llama", dtype=torch.bfloat16), dtype=dtype)
     torch.save(source.state_dict(), tmp_path / "model.pt")
     (tmp_path / "config.json").write_text(json.dumps(info.config))

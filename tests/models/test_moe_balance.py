@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from gradaccum import Accumulator
-from gradaccum.models import router
-from gradaccum.models.balance import Balance
 from gradaccum.models.gpt import GPT, GPTConfig
 from gradaccum.models.loss import causal_lm_loss
+from gradaccum.moe import router
+from gradaccum.moe.balance import Balance
 from gradaccum.parallel import collectives
 from gradaccum.testing import GradRecorder, max_rel_error
 

@@ -115,8 +115,7 @@ def leftovers(folder: str) -> list[str]:
 
 def checkpoints(out: str) -> dict[str, str | None]:
     """Each checkpoint folder under `out` and what is wrong with it (None: intact)."""
-    from gradaccum.train import checkpoint
-
+    from gradaccum.train.rundir import checkpoint
     return {os.path.basename(p): checkpoint.damage(p) for p in checkpoint.step_folders(out)}
 
 
@@ -158,9 +157,9 @@ def writers(disk: Disk) -> dict:
     each writes again."""
     import torch
 
-    from gradaccum.train import checkpoint
-    from gradaccum.train.lock import RunLock
-    from gradaccum.train.metrics import MetricsWriter, plot_loss, read_metrics
+    from gradaccum.train.rundir import checkpoint
+    from gradaccum.train.rundir.lock import RunLock
+    from gradaccum.train.rundir.metrics import MetricsWriter, plot_loss, read_metrics
     from gradaccum.utils.atomic import write_text_atomic
     from gradaccum.verification.precision_study import StudyPoint, write_plot
 
@@ -170,7 +169,7 @@ def writers(disk: Disk) -> dict:
     records = [{"step": s, "loss": 5.0 - s, "tokens": 100 * s} for s in (1, 2)]
     points = [StudyPoint(k, "fp32", 1e-7 * k, 2e-7 * k) for k in (1, 2, 4)]
     tensors = {"w": torch.arange(1000.0)}
-    write_text_atomic(os.path.join(run, "train.toml"), "lr = 0.001\n")
+    write_text_atomic(os.path.join(run, "config.yaml"), "lr: 0.001\n")
     metrics = MetricsWriter(os.path.join(run, "metrics.jsonl"))
     for r in records:
         metrics.write(r)
@@ -180,7 +179,7 @@ def writers(disk: Disk) -> dict:
     write_plot(points, os.path.join(run, "study.png"))
     tb = None
     try:
-        from gradaccum.train.tensorboard import TensorBoardWriter
+        from gradaccum.train.rundir.tensorboard import TensorBoardWriter
 
         tb = TensorBoardWriter(run)
         tb.write(records[0])
@@ -191,8 +190,8 @@ def writers(disk: Disk) -> dict:
     disk.fill()
     wide = {"step": 3, **{f"field_{i}": float(i) for i in range(800)}}  # past a page's slack
     tried = {
-        "train.toml": attempt(
-            lambda: write_text_atomic(os.path.join(run, "train.toml"), "lr = 0.002\n" * 500)
+        "config.yaml": attempt(
+            lambda: write_text_atomic(os.path.join(run, "config.yaml"), "lr: 0.002\n" * 500)
         ),
         "metrics.jsonl": attempt(lambda: metrics.write({**wide, "loss": 1.0})),
         "checkpoints/step-00000003": attempt(
@@ -256,7 +255,7 @@ def train_mid(disk: Disk) -> dict:
 def _records(out: str) -> list[dict]:
     from helpers import without_timing  # run as a script: this folder is on sys.path
 
-    from gradaccum.train.metrics import read_metrics
+    from gradaccum.train.rundir.metrics import read_metrics
 
     return without_timing(read_metrics(os.path.join(out, "metrics.jsonl")))
 

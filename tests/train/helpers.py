@@ -7,7 +7,7 @@ import numpy as np
 
 from gradaccum.cli import main
 from gradaccum.data.corpus import MarkovCorpus
-from gradaccum.train.metrics import read_metrics
+from gradaccum.train.rundir.metrics import read_metrics
 
 TIMING_FIELDS = ("tokens_per_s", "elapsed_s")
 """Fields of a metrics record that measure wall-clock time: they never match between two runs."""

@@ -1,9 +1,9 @@
 """The small run the resume tests stop, resume and compare with the same run left alone: its
 TrainConfig, stopping it after a given step as Ctrl-C would, and its newest checkpoint."""
 
-from gradaccum.train import checkpoint
 from gradaccum.train.config import TrainConfig
 from gradaccum.train.loop import train
+from gradaccum.train.rundir import checkpoint
 
 
 def small_config(out, data_file, **kw) -> TrainConfig:

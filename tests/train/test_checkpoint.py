@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from gradaccum.train import checkpoint
+from gradaccum.train.rundir import checkpoint
 from gradaccum.utils.errors import DiskFull
 
 
@@ -80,8 +80,7 @@ def test_failure_while_writing_keeps_the_previous_checkpoint(tmp_path, monkeypat
 KILLED_WRITER = textwrap.dedent(
     """
     import os, sys, time, torch
-    from gradaccum.train import checkpoint
-
+    from gradaccum.train.rundir import checkpoint
     out = sys.argv[1]
     big = {"w": torch.ones(256, 256)}
     checkpoint.save(out, 1, big, {"n": 1}, {"step": 1})

@@ -172,7 +172,7 @@ def test_config_file_keys_are_flags_and_the_command_line_wins(capsys, tmp_path, 
     assert summary["out"] == str(out)
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["lr"] for r in lines if "loss" in r][0] == pytest.approx(1e-3)  # from the file
-    for name in ("train.toml", "loss.png", "model.pt", "config.json"):
+    for name in ("config.yaml", "loss.png", "model.pt", "config.json"):
         assert (out / name).exists(), name
 
 

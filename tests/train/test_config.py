@@ -7,7 +7,9 @@ from dataclasses import fields
 import pytest
 
 from gradaccum.cli import build_parser
-from gradaccum.train.config import FLAGS, TrainConfig, merge_settings
+from gradaccum.settings.docs import field_docs
+from gradaccum.train.config import COMPONENTS, FLAGS, TrainConfig, merge_settings
+from gradaccum.train.settings import TASK_DEFAULTS
 from gradaccum.utils.errors import BadInput
 
 
@@ -24,14 +26,29 @@ def test_building_a_config_touches_no_file_clock_or_torch():
     assert done.returncode == 0, done.stderr
 
 
-def test_every_field_is_a_flag_with_its_help_and_nothing_else_is():
+def test_every_field_is_a_flag_whose_help_is_its_docstring_and_nothing_else_is():
     parser = build_parser()
     train = parser._subparsers._group_actions[0].choices["train"]
     dests = {a.dest: a for a in train._actions if a.dest not in ("help", "config_file")}
     assert set(dests) == {f.name for f in fields(TrainConfig)} == set(FLAGS)
+    docs = {}
+    for component in COMPONENTS:
+        docs.update(field_docs(component))
     for name, action in dests.items():
-        assert action.help == FLAGS[name].help
+        assert docs[name] and action.help.startswith(docs[name].replace("%", "%%")), name
         assert action.option_strings == ["--" + name.replace("_", "-")]
+
+
+def test_task_defaults_are_stated_from_the_one_table():
+    train = build_parser()._subparsers._group_actions[0].choices["train"]
+    helps = {a.dest: " ".join(a.help.split()) for a in train._actions}
+    for name, value in TASK_DEFAULTS["sft"].items():
+        pretrain = TASK_DEFAULTS["pretrain"].get(name)
+        if pretrain is not None:
+            assert f"(default {pretrain:g}" in helps[name] if isinstance(pretrain, float) else (
+                f"(default {pretrain}" in helps[name]), name  # fmt: skip
+        shown = f"{value:g}" if isinstance(value, float) else value
+        assert f"--task sft {shown}" in helps[name], name
 
 
 def test_strings_and_typed_values_read_the_same():

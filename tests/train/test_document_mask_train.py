@@ -18,7 +18,7 @@ from gradaccum.models.build import build_model
 from gradaccum.train import parts
 from gradaccum.train.config import TrainConfig
 from gradaccum.train.loop import train
-from gradaccum.train.resume import settings_to_resume
+from gradaccum.train.rundir.resume import settings_to_resume
 
 from . import helpers
 from .helpers import train_records

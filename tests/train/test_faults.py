@@ -14,11 +14,11 @@ import pytest
 
 from gradaccum.cli import main
 from gradaccum.data.corpus import MarkovCorpus
-from gradaccum.train import checkpoint, tensorboard
 from gradaccum.train import loop as train_loop
 from gradaccum.train.config import TrainConfig
 from gradaccum.train.loop import train
-from gradaccum.train.metrics import read_metrics
+from gradaccum.train.rundir import checkpoint, tensorboard
+from gradaccum.train.rundir.metrics import read_metrics
 from gradaccum.utils.errors import DiskFull
 
 from .helpers import one_line_error, without_timing
@@ -156,12 +156,12 @@ def test_init_from_a_folder_with_random_bytes_is_one_line(tmp_path, data, capsys
 
 
 @pytest.mark.slow
-def test_a_saved_train_toml_is_what_was_chosen_so_it_can_be_reused(tmp_path, data, capsys):
+def test_a_saved_config_yaml_is_what_was_chosen_so_it_can_be_reused(tmp_path, data, capsys):
     base = tmp_path / "base"
     argv = ["train", "--data", str(data / "markov.npy"), "--tokens-per-step", "256"]
     assert main([*argv, "--seq-len", "16", "--max-steps", "1", "--out", str(base)]) == 0
     capsys.readouterr()
-    again = ["train", "--config", str(base / "train.toml"), "--seq-len", "32"]
+    again = ["train", "--config", str(base / "config.yaml"), "--seq-len", "32"]
     assert main([*again, "--out", str(tmp_path / "again"), "--json"]) == 0
     summary = __import__("json").loads(capsys.readouterr().out)
     assert summary["tokens_per_step"] == 256 and summary["steps"] == 1  # re-planned for 32
@@ -241,7 +241,7 @@ def test_without_matplotlib_the_closing_line_says_loss_png_was_not_written(
     assert main(cli(out, data, "--max-steps", "1")) == 0
     closing = capsys.readouterr().out.strip().splitlines()[-1]
     assert closing == (
-        f"out {out}: metrics.jsonl, train.toml, model.pt, config.json, checkpoints/; "
+        f"out {out}: metrics.jsonl, config.yaml, model.pt, config.json, checkpoints/; "
         "loss.png not written (matplotlib not installed: pip install 'gradaccum[plot]')"
     )
     assert not (out / "loss.png").exists()

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from gradaccum.cli import main
-from gradaccum.train.metrics import read_metrics
+from gradaccum.train.rundir.metrics import read_metrics
 
 from .disk_probe import DISK_BYTES, TRAIN
 from .helpers import without_timing
@@ -104,7 +104,7 @@ def test_every_writer_meets_a_full_disk_in_one_line_and_keeps_what_was_there(dis
     r = probe(disk_mode, "writers", tmp_path)
     run, reason = r["run"], r["reason"]
     paths = {
-        "train.toml": f"{run}/train.toml",
+        "config.yaml": f"{run}/config.yaml",
         "metrics.jsonl": f"{run}/metrics.jsonl",
         "checkpoints/step-00000003": f"{run}/checkpoints/step-00000003",
         "model.pt": f"{run}/model.pt",
@@ -113,7 +113,7 @@ def test_every_writer_meets_a_full_disk_in_one_line_and_keeps_what_was_there(dis
         "study.png": f"{run}/study.png",
         "tensorboard": r["tb_path"],
     }
-    assert {"train.toml", "metrics.jsonl", "model.pt", "newrun/.lock"} <= set(r["tried"])
+    assert {"config.yaml", "metrics.jsonl", "model.pt", "newrun/.lock"} <= set(r["tried"])
     assert "checkpoints/step-00000003" in r["tried"]
     for name, got in r["tried"].items():
         assert got == {"error": "DiskFull", "message": f"{paths[name]}: not written ({reason})"}

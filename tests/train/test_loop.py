@@ -15,8 +15,8 @@ from gradaccum.data.corpus import MarkovCorpus
 from gradaccum.models.build import build_model
 from gradaccum.testing import adamw_drift_bound
 from gradaccum.train.loop import TrainConfig, train
-from gradaccum.train.metrics import read_metrics
 from gradaccum.train.resolve import resolve_plan
+from gradaccum.train.rundir.metrics import read_metrics
 
 from .helpers import without_timing
 
@@ -156,8 +156,7 @@ def test_sigterm_saves_at_a_window_boundary_and_exits_0(tmp_path, markov_npy):
     assert proc.returncode == 0, stderr
     assert "stopped by SIGTERM" in stdout
     steps = [r["step"] for r in read_metrics(metrics)]
-    from gradaccum.train import checkpoint
-
+    from gradaccum.train.rundir import checkpoint
     saved = checkpoint.load(checkpoint.find_latest(str(out)))
     assert saved.step == steps[-1] >= 3  # saved at the boundary it stopped at
     assert saved.trainer_state["data"]["position"] == 2 * saved.step

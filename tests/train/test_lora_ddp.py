@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gradaccum.testing import adamw_drift_bound
-from gradaccum.train import checkpoint
+from gradaccum.train.rundir import checkpoint
 
 from .helpers import markov_npy, train_records
 

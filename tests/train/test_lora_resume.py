@@ -12,9 +12,10 @@ import torch
 
 from gradaccum.cli import main
 from gradaccum.models.gpt import GPT, GPT_MODEL_TYPE, GPTConfig
-from gradaccum.train import adapters, checkpoint
+from gradaccum.train import adapters
 from gradaccum.train.config import TrainConfig
 from gradaccum.train.loop import train
+from gradaccum.train.rundir import checkpoint
 
 from .helpers import markov_npy, one_line_error, train_records
 from .small_run import latest_checkpoint, small_config, train_until

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from gradaccum.cli import main
-from gradaccum.train import checkpoint
 from gradaccum.train.config import TrainConfig
 from gradaccum.train.loop import train
+from gradaccum.train.rundir import checkpoint
 
 from .helpers import train_records
 

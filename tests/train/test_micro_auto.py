@@ -11,7 +11,7 @@ from gradaccum import fit
 from gradaccum.cli import main
 from gradaccum.data.corpus import MarkovCorpus
 from gradaccum.train import micro_batch
-from gradaccum.train.metrics import read_metrics
+from gradaccum.train.rundir.metrics import read_metrics
 
 
 @pytest.fixture(scope="module")

@@ -295,10 +295,10 @@ def test_compiled_window_micro_batches_of_a_mixture_of_experts_get_no_empty_rows
     stream does not fill them, and the balance then sees the window's own tokens: those of
     the same examples padded into micro-batches of their own (--packing none)."""
     from gradaccum import Accumulator
-    from gradaccum.data.packing import collate
+    from gradaccum.data.sft.packing import collate
     from gradaccum.data.tokenizers import ByteTokenizer
-    from gradaccum.models.balance import Balance
     from gradaccum.models.gpt import GPT, GPTConfig
+    from gradaccum.moe.balance import Balance
     from gradaccum.train.sft import SFTStream
     from gradaccum.verification.reference import GradRecorder
     from tests.reference import sft_examples

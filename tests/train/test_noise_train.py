@@ -11,7 +11,7 @@ from gradaccum.cli import main
 from gradaccum.data.corpus import MarkovCorpus
 from gradaccum.plan.sizes import fmt_count
 from gradaccum.train.loop import TrainConfig, train
-from gradaccum.train.metrics import read_metrics
+from gradaccum.train.rundir.metrics import read_metrics
 
 
 @pytest.fixture(scope="module")
@@ -101,5 +101,5 @@ def test_the_flag_on_the_command_line(tmp_path, data, capsys):
     argv += ["--micro-batch", "2", "--accum-steps", "4", "--max-steps", "2", "--eval-every", "0"]
     assert main([*argv, "--noise-scale"]) == 0
     assert all("noise_scale_tokens" in r for r in train_lines(tmp_path))
-    assert "noise_scale = true" in (tmp_path / "train.toml").read_text()
+    assert "noise_scale: true" in (tmp_path / "config.yaml").read_text()
     assert "critical batch about" in capsys.readouterr().out

@@ -9,8 +9,8 @@ import os
 import pytest
 
 from gradaccum.cli import main
-from gradaccum.train.config import to_toml
-from gradaccum.train.lock import RunLock
+from gradaccum.settings.files import to_yaml
+from gradaccum.train.rundir.lock import RunLock
 
 from .helpers import markov_folder, one_line_error
 
@@ -66,6 +66,7 @@ def test_files_named_like_a_runs_but_not_ours_are_refused(tmp_path, data, capsys
     other.mkdir()
     (other / "metrics.jsonl").write_text("epoch 1: loss 2.3\n")  # another tool's log
     (other / "train.toml").write_text("[model]\nname = 'llama'\n")  # another tool's config
+    (other / "config.yaml").write_text("model:\n  name: llama\n")
     (other / "checkpoints").mkdir()
     (other / "checkpoints" / "epoch-1.ckpt").write_bytes(b"x")
     before = snapshot(other)
@@ -83,7 +84,7 @@ def test_an_empty_folder_is_taken(tmp_path, data):
 
 @pytest.mark.slow
 def test_our_runs_are_taken_as_before(tmp_path, data, capsys):
-    # a start cut short after taking the lock (a kill between the lock and train.toml)
+    # a start cut short after taking the lock (a kill between the lock and config.yaml)
     cut = tmp_path / "cut"
     lock = RunLock(str(cut))
     lock.acquire()
@@ -92,7 +93,7 @@ def test_our_runs_are_taken_as_before(tmp_path, data, capsys):
     # a run stopped before its first checkpoint (a double Ctrl-C at the start): starts over
     early = tmp_path / "early"
     early.mkdir()
-    (early / "train.toml").write_text(to_toml({"seq_len": 16, "max_steps": 4}))
+    (early / "config.yaml").write_text(to_yaml({"batch": {"seq_len": 16}, "run": {"max_steps": 4}}))
     (early / "metrics.jsonl").write_text('{"step": 1, "loss": 6.2, "tokens": 32}\n')
     assert main(cli(early, data, "--max-steps", "1")) == 0
     # a finished run: refused as before, and with a note of the user's beside it, resumed

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from gradaccum.cli import main
-from gradaccum.train import checkpoint
 from gradaccum.train import loop as train_loop
 from gradaccum.train.config import TrainConfig
 from gradaccum.train.loop import train
-from gradaccum.train.metrics import read_metrics
+from gradaccum.train.rundir import checkpoint
+from gradaccum.train.rundir.metrics import read_metrics
 
 from .helpers import markov_folder, train_records
 

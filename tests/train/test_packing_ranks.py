@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gradaccum.data.sft import tokenize_rows
-from gradaccum.data.sft_packed import deal_by_tokens
-from gradaccum.data.sft_rows import rows_from_dicts
-from gradaccum.data.sft_tasks import builtin_rows
+from gradaccum.data.sft.builtin import builtin_rows
+from gradaccum.data.sft.load import tokenize_rows
+from gradaccum.data.sft.packed import deal_by_tokens
+from gradaccum.data.sft.rows import rows_from_dicts
 from gradaccum.data.tokenizers import ByteTokenizer
 from gradaccum.models.gpt import GPT, GPTConfig
 from gradaccum.models.loss import causal_lm_loss

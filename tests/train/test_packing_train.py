@@ -12,14 +12,14 @@ import torch
 import torch.nn.functional as F
 
 from gradaccum.cli import main
-from gradaccum.data.sft_batches import SFTBatches
-from gradaccum.data.sft_tasks import builtin_rows
+from gradaccum.data.sft.builtin import builtin_rows
+from gradaccum.data.sft.windows import SFTBatches
 from gradaccum.models.build import build_model
 from gradaccum.train import sft
 from gradaccum.train.config import TrainConfig
 from gradaccum.train.loop import train
-from gradaccum.train.metrics import read_metrics
-from gradaccum.train.resume import settings_to_resume
+from gradaccum.train.rundir.metrics import read_metrics
+from gradaccum.train.rundir.resume import settings_to_resume
 
 from .helpers import train_records
 

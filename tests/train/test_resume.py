@@ -15,10 +15,10 @@ import torch
 
 from gradaccum.cli import main
 from gradaccum.data.corpus import MarkovCorpus
-from gradaccum.train import checkpoint, resume
 from gradaccum.train.config import TrainConfig
 from gradaccum.train.loop import train
-from gradaccum.train.metrics import read_metrics
+from gradaccum.train.rundir import checkpoint, resume
+from gradaccum.train.rundir.metrics import read_metrics
 from gradaccum.utils.errors import BadInput
 
 from . import helpers

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from gradaccum.data.corpus import MarkovCorpus
-from gradaccum.train import checkpoint
+from gradaccum.train.rundir import checkpoint
 
 from .processes import in_session
 

@@ -11,7 +11,7 @@ import torch
 from gradaccum.models.build import build_model
 from gradaccum.train.config import TrainConfig
 from gradaccum.train.loop import train
-from gradaccum.train.metrics import read_metrics
+from gradaccum.train.rundir.metrics import read_metrics
 
 transformers = pytest.importorskip("transformers")
 

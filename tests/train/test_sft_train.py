@@ -10,12 +10,12 @@ import torch
 import torch.nn.functional as F
 
 from gradaccum.cli import main
-from gradaccum.data.sft_tasks import builtin_rows
+from gradaccum.data.sft.builtin import builtin_rows
 from gradaccum.models.build import build_model
 from gradaccum.train.config import TrainConfig
 from gradaccum.train.loop import train
-from gradaccum.train.metrics import plot_loss, read_metrics
-from gradaccum.train.resume import settings_to_resume
+from gradaccum.train.rundir.metrics import plot_loss, read_metrics
+from gradaccum.train.rundir.resume import settings_to_resume
 
 from .helpers import train_records
 

@@ -11,8 +11,8 @@ pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 
 from gradaccum.cli import main  # noqa: E402
-from gradaccum.train.metrics import read_metrics  # noqa: E402
-from gradaccum.train.tensorboard import TensorBoardWriter  # noqa: E402
+from gradaccum.train.rundir.metrics import read_metrics  # noqa: E402
+from gradaccum.train.rundir.tensorboard import TensorBoardWriter  # noqa: E402
 
 
 def read_scalars(folder) -> dict[str, list[tuple[int, float]]]:

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from gradaccum.cli import main
-from gradaccum.data.sft_tasks import builtin_rows
+from gradaccum.data.sft.builtin import builtin_rows
 
 ARGS = ["verify", "--task", "sft", "--seq-len", "128", "--micro-batch-tokens", "128", "--json"]
 

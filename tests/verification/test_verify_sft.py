@@ -7,7 +7,7 @@ import json
 import pytest
 
 from gradaccum.cli import main
-from gradaccum.data.sft_tasks import builtin_rows
+from gradaccum.data.sft.builtin import builtin_rows
 
 ARGS = ["verify", "--task", "sft", "--seq-len", "128"]  # 128 holds every built-in example
 

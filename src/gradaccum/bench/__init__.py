@@ -27,8 +27,18 @@ peak memory (on the CPU, sampled resident memory).
 
 from __future__ import annotations
 
-from .config import PEERS, BenchConfig
-from .measure import run_bench
-from .report import render_table, to_json
+from gradaccum.utils.lazy import lazy_exports
+
+# imported on first use: the package's settings module loads without torch
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        "PEERS": "pretrain.config",
+        "BenchConfig": "pretrain.config",
+        "run_bench": "pretrain.measure",
+        "render_table": "pretrain.report",
+        "to_json": "pretrain.report",
+    },
+)
 
 __all__ = ["PEERS", "BenchConfig", "render_table", "run_bench", "to_json"]

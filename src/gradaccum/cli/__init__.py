@@ -1,8 +1,8 @@
 """The `gradaccum` command: plan | fit | verify | train | bench.
 
-Each command is a parser module here (`plan.py`, `fit.py`, ...: its flags, from `flags.py`,
-read as they are parsed) and, for those that need torch, a run module (`fit_run.py`, ...)
-imported only when that command runs: `gradaccum plan` never imports torch.
+Dispatch only. Each command is a module here whose `COMMAND` names its settings components
+(`gradaccum.settings`: the parsers are generated from them) and a run module (`fit_run.py`,
+...) imported only when that command runs: `gradaccum plan` never imports torch.
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ import signal
 import sys
 import threading
 
-from .. import __version__
-from ..utils.atomic import interrupted, no_room, reason
-from ..utils.errors import BadInput, RunFailed
-from .common import ArgumentParser
+from gradaccum import __version__
+from gradaccum.cli.common import ArgumentParser
+from gradaccum.settings.command import build_program
+from gradaccum.utils.atomic import interrupted, no_room, reason
+from gradaccum.utils.errors import BadInput, RunFailed
 
-# name -> module under gradaccum.cli whose add_parser(subparsers, name) adds the command's
-# parser, with its run(args) -> int as the parser's `run` default
+# name -> module under gradaccum.cli whose COMMAND is the command's settings and run
 COMMANDS = {
     "plan": "plan",
     "train": "train",
@@ -31,16 +31,13 @@ COMMANDS = {
 
 
 def build_parser() -> ArgumentParser:
-    parser = ArgumentParser(
-        prog="gradaccum",
-        description="Gradient accumulation for PyTorch: plan a batch, train at it, prove it exact.",
+    return build_program(
+        "gradaccum",
+        "Gradient accumulation for PyTorch: plan a batch, train at it, prove it exact.",
+        __version__,
+        [importlib.import_module(f"gradaccum.cli.{m}").COMMAND for m in COMMANDS.values()],
+        ArgumentParser,
     )
-    parser.add_argument("--version", action="version", version=f"gradaccum {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=ArgumentParser)
-    for name, module in COMMANDS.items():
-        mod = importlib.import_module(f"gradaccum.cli.{module}")
-        mod.add_parser(sub, name)
-    return parser
 
 
 def _join_negative_values(argv: list[str]) -> list[str]:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
-
-from . import flags
-from .common import run_of
+from gradaccum.bench.settings import BENCH_DEFAULTS, BenchSettings
+from gradaccum.models.settings import ModelSettings
+from gradaccum.parallel.settings import ParallelSettings
+from gradaccum.settings.command import Command, part
+from gradaccum.train.settings import BatchSettings, RunSettings
 
 _EPILOG = """\
 Before the first step it says what it will run; after the first contestant's step, about how
@@ -29,50 +30,26 @@ trl-padding-free, trainer). Its defaults: --micro-batch 8, --accum-steps 8, --se
 
 COUNTS = ("micro_batch", "accum_steps", "seq_len", "rounds", "windows", "seed")
 SFT_COUNTS = COUNTS + ("micro_batch_tokens",)
-"""The counts `gradaccum bench` takes (4k, 1M work); None when not given: BenchConfig's
-defaults, which the help states, fill them in."""
+"""The counts `gradaccum bench` takes; None when not given: the config's defaults
+(`BENCH_DEFAULTS`, which the help states) fill them in."""
 
-
-def add_parser(sub, name: str) -> None:
-    p = sub.add_parser(
-        name,
-        help="the engine against a hand-written loop, Accelerate, the Trainer and Lightning",
-        description="One model, one data set of ragged rows, one (micro-batch, k) through every\n"
-        "contestant: tokens/s and the update's error against the exact big batch.",
-        epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    flags.task(
-        p,
-        help="pretrain (random token rows) or sft (ragged instruction examples, "
-        "packing modes, TRL) (default pretrain)",
-    )
-    flags.model(p)
-    flags.model_config(p)
-    flags.micro_batch(p, default=4, filled_in=True)
-    flags.accum_steps(p, default=8, filled_in=True)
-    flags.seq_len(p, default=128, filled_in=True)
-    flags.count(p, "--rounds", help="timing rounds, order alternating", default=5, filled_in=True)
-    flags.count(
-        p,
-        "--windows",
-        help="optimizer steps timed per round, after one untimed",
-        default=3,
-        filled_in=True,
-    )
-    flags.seed(p, of="the weights and the data", filled_in=True)
-    flags.device(p)
-    flags.micro_batch_tokens(
-        p,
-        help="--task sft: positions per micro-batch of gradaccum's window and padding-free "
-        "modes, padding included (default: --seq-len)",
-    )
-    flags.packing(p, several=True)
-    p.add_argument(
-        "--peers",
-        metavar="NAMES",
-        help="comma list of accelerate, trainer, lightning (--task sft: trl, trl-padding-free, "
-        "trainer), or none (default: all)",
-    )
-    flags.json_output(p)
-    p.set_defaults(run=run_of("bench_run"))
+COMMAND = Command(
+    name="bench",
+    help="the engine against a hand-written loop, Accelerate, the Trainer and Lightning",
+    description="One model, one data set of ragged rows, one (micro-batch, k) through every\n"
+    "contestant: tokens/s and the update's error against the exact big batch.",
+    parts=(
+        part(RunSettings, "task"),
+        part(ModelSettings, "model", "model_config"),
+        part(BatchSettings, "micro_batch", "accum_steps", "seq_len", "micro_batch_tokens"),
+        part(BatchSettings, "packing"),
+        part(BenchSettings),
+        part(RunSettings, "seed"),
+        part(ParallelSettings, "device"),
+        part(RunSettings, "json"),
+    ),
+    run="bench_run",
+    epilog=_EPILOG,
+    task_defaults=BENCH_DEFAULTS,
+    defaults={"packing": "all of none, window, padding-free"},
+)

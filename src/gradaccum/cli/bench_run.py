@@ -6,14 +6,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..bench import PEERS, BenchConfig, render_table, run_bench, sft_report, to_json
-from ..bench.sft_config import SFTBenchConfig
-from ..bench.sft_loops import PEERS as SFT_PEERS
-from ..bench.sft_measure import run_sft_bench
-from ..utils.choices import PACKINGS
-from ..utils.errors import BadInput
-from .bench import COUNTS, SFT_COUNTS
-from .common import print_json
+from gradaccum.bench import PEERS, BenchConfig, render_table, run_bench, to_json
+from gradaccum.bench.sft import report as sft_report
+from gradaccum.bench.sft.config import SFTBenchConfig
+from gradaccum.bench.sft.loops import PEERS as SFT_PEERS
+from gradaccum.bench.sft.measure import run_sft_bench
+from gradaccum.cli.bench import COUNTS, SFT_COUNTS
+from gradaccum.cli.common import print_json
+from gradaccum.settings.command import namespace
+from gradaccum.utils.choices import PACKINGS
+from gradaccum.utils.errors import BadInput
 
 
 def _names(flag: str, text: str, known) -> tuple[str, ...]:
@@ -37,7 +39,7 @@ def sft_config_from_args(args: argparse.Namespace) -> SFTBenchConfig:
         values["peers"] = _names("--peers", args.peers, SFT_PEERS)
     if args.packing is not None:
         values["packings"] = _names("--packing", args.packing, PACKINGS)
-    return SFTBenchConfig(model_config=args.model_config, device=args.device, **values)
+    return SFTBenchConfig(model_config=args.model_config, device=args.device or "auto", **values)
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -52,11 +54,13 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     if args.peers is not None:
         values["peers"] = _names("--peers", args.peers, PEERS)
     return BenchConfig(
-        model=args.model, model_config=args.model_config, device=args.device, **values
+        model=args.model, model_config=args.model_config, device=args.device or "auto", **values
     )
 
 
 def run(args: argparse.Namespace) -> int:
+    args = namespace(args, fill=False)
+    args.task = args.task or "pretrain"
     sft = args.task == "sft"
     config = sft_config_from_args(args) if sft else config_from_args(args)
 

@@ -7,19 +7,13 @@ Under torchrun every rank probes and all agree on one micro-batch.
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-
-from ..train.config import DEFAULT_TOKENS_PER_STEP, TrainConfig
-from ..utils.errors import BadInput
-from . import flags
-from .common import reader, run_of
-
-TRAIN_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
-"""`gradaccum train`'s defaults: fit's model and data flags default as train's do."""
-
-MAX_TOLERANCE = 0.5
-"""The most --batch-tolerance takes: a batch half again or half the target is another recipe."""
+from gradaccum.data.settings import DataSettings
+from gradaccum.engine.settings import PrecisionSettings
+from gradaccum.fit.settings import FitSettings
+from gradaccum.models.settings import LoraSettings, ModelSettings
+from gradaccum.parallel.settings import ParallelSettings
+from gradaccum.settings.command import Command, part
+from gradaccum.train.settings import DEFAULT_TOKENS_PER_STEP, BatchSettings, RunSettings
 
 _EPILOG = """\
 Probes forward + backward + optimizer step at micro-batch 1, 2, 4, ... until one runs out
@@ -39,59 +33,22 @@ Examples:
 """
 
 
-def add_parser(sub, name: str) -> None:
-    p = sub.add_parser(
-        name,
-        help="find the micro-batch that fits and runs fastest; k keeps the global batch",
-        description="Measure the micro-batch that fits and runs fastest; k keeps the target.",
-        epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    model = p.add_argument_group("model and data (as `gradaccum train`)")
-    flags.model(model)
-    flags.model_config(model)
-    flags.data(model)
-    flags.seed(model, of="the built-in corpus", default=TRAIN_DEFAULTS["seed"])
-    flags.seq_len(model, default=TRAIN_DEFAULTS["seq_len"])
-    flags.precision(model, default=TRAIN_DEFAULTS["precision"])
-    lora = p.add_argument_group("LoRA (as `gradaccum train`; the lora extra, on peft)")
-    flags.lora_rank(
-        lora,
-        help="probe with LoRA adapters of rank R on the frozen model: gradients and optimizer "
-        "state of the adapters only",
-    )
-    flags.lora_alpha(lora)
-    flags.lora_dropout(lora)
-    flags.lora_targets(lora)
-    batch = p.add_argument_group("batch and memory")
-    flags.tokens_per_step(batch, default=DEFAULT_TOKENS_PER_STEP)
-    batch.add_argument(
-        "--batch-tolerance",
-        metavar="X",
-        type=reader(read_tolerance, "--batch-tolerance"),
-        help="how far the global batch may land from the target when that is faster: 0.05 "
-        "or 5%% (default 5%%); 0 insists on the target",
-    )
-    flags.size(batch, "--memory-budget", help="1GB, 20GiB; bare number: GB")
-    flags.device(batch, default=TRAIN_DEFAULTS["device"])
-    flags.number(
-        batch, "--max-seconds", metavar="T", help="end probing and timing after this many seconds"
-    )
-    batch.add_argument(
-        "--no-checkpointing", action="store_true", help="do not try activation checkpointing"
-    )
-    flags.json_output(p)
-    p.set_defaults(run=run_of("fit_run"))
-
-
-def read_tolerance(text: str, flag: str) -> float:
-    """--batch-tolerance as a fraction: 0.05 or 5%, from 0 to MAX_TOLERANCE."""
-    body = text.strip()
-    percent = body.endswith("%")
-    try:
-        value = float(body[:-1] if percent else body) / (100 if percent else 1)
-    except ValueError:
-        raise BadInput(flag, text, "expected a fraction: 0.05 or 5%") from None
-    if not 0 <= value <= MAX_TOLERANCE:  # NaN fails this too
-        raise BadInput(flag, text, f"must be from 0 to {MAX_TOLERANCE:.0%}")
-    return value
+COMMAND = Command(
+    name="fit",
+    help="find the micro-batch that fits and runs fastest; k keeps the global batch",
+    description="Measure the micro-batch that fits and runs fastest; k keeps the target.",
+    parts=(
+        part(ModelSettings, "model", "model_config"),
+        part(DataSettings, "data"),
+        part(RunSettings, "seed"),
+        part(BatchSettings, "seq_len", "tokens_per_step"),
+        part(PrecisionSettings),
+        part(LoraSettings, "lora_rank", "lora_alpha", "lora_dropout", "lora_targets"),
+        part(FitSettings),
+        part(ParallelSettings, "device"),
+        part(RunSettings, "json"),
+    ),
+    run="fit_run",
+    epilog=_EPILOG,
+    defaults={"tokens_per_step": DEFAULT_TOKENS_PER_STEP},
+)

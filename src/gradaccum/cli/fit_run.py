@@ -9,16 +9,17 @@ import sys
 import numpy as np
 from torch.nn.parallel import DistributedDataParallel
 
-from .. import fit
-from ..data.tokens import DEFAULT_CORPUS_TOKENS, load_tokens
-from ..models import lora
-from ..models.build import build_model
-from ..models.loss import causal_lm_loss
-from ..parallel import process_group
-from ..parallel.devices import check_device
-from ..utils.errors import BadInput, flag_name
-from . import flags
-from .common import print_json
+from gradaccum import fit
+from gradaccum.cli.common import print_json
+from gradaccum.data.tokens import DEFAULT_CORPUS_TOKENS, load_tokens
+from gradaccum.models import lora
+from gradaccum.models.build import build_model
+from gradaccum.models.loss import causal_lm_loss
+from gradaccum.models.settings import model_source
+from gradaccum.parallel import process_group
+from gradaccum.parallel.devices import check_device
+from gradaccum.settings.command import namespace
+from gradaccum.utils.errors import BadInput, flag_name
 
 
 def _one_line(err: BaseException, flag: str, value) -> BadInput:
@@ -88,8 +89,9 @@ def probe_model(args: argparse.Namespace, source: tuple, device):
 
 
 def run(args: argparse.Namespace) -> int:
+    args = namespace(args)
     check_device(args.device)
-    source = flags.model_source(args)
+    source = model_source(args)
     try:
         info = process_group.init_distributed(args.device)
     except (ValueError, RuntimeError) as err:

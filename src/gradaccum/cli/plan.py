@@ -9,11 +9,20 @@ import argparse
 import dataclasses
 import sys
 
-from ..plan import PlanInputs, make_plan, render_table
-from ..plan.memory import CHECKPOINTING, DEFAULT_PRECISION, OPTIMIZERS
-from ..plan.presets import MODEL_SHAPES
-from . import flags
-from .common import print_json
+from gradaccum.cli.common import print_json
+from gradaccum.engine.settings import PrecisionSettings
+from gradaccum.models.settings import LoraSettings, ModelSettings
+from gradaccum.plan import PlanInputs, make_plan, render_table
+from gradaccum.plan.memory import DEFAULT_PRECISION
+from gradaccum.plan.settings import (
+    PlanLRSettings,
+    PlanMemorySettings,
+    PlanModelSettings,
+    PlanTargetSettings,
+    PlanTimeSettings,
+)
+from gradaccum.settings.command import Command, namespace, part
+from gradaccum.train.settings import BatchSettings, RunSettings
 
 _EPILOG = """\
 sizes: 4M = 4,000,000  4Mi = 4,194,304  262k  7B  1e6; memory 80GB (1e9 bytes) or 80GiB;
@@ -56,108 +65,40 @@ memory per device assumes (bytes; `gradaccum fit` measures the same terms):
 """
 
 
-def add_parser(sub, name: str) -> None:
-    p = sub.add_parser(
-        name,
-        help="plan a run: global batch, k, memory per device, time, FLOPs, LR",
-        description="Global batch = micro-batch x k x world: what it gives, what it costs.",
-        epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    batch = p.add_argument_group("global batch per optimizer step (one of)")
-    flags.count(batch, "--target-tokens", help="wanted tokens per step (1M, 4Mi)")
-    flags.count(batch, "--target-sequences", help="wanted sequences per step")
-    flags.accum_steps(batch, note="given, the global batch follows")
-    flags.batch_schedule(batch, note="needs --total-tokens (see below)")
-    micro = p.add_argument_group("micro-batch and devices")
-    flags.seq_len(micro)
-    flags.micro_batch(micro)
-    flags.count(micro, "--micro-tokens", help="tokens per device per micro-step")
-    flags.count(micro, "--gpus", "--devices", help="world size (1 when not given)")
-    time = p.add_argument_group("time")
-    flags.seconds(time, "--micro-step-time", help="measured time of one micro-step")
-    flags.count(time, "--steps", help="optimizer steps of the run")
-    flags.count(time, "--total-tokens", help="tokens to train on (steps round up)")
-    cost = p.add_argument_group("model and cost")
-    flags.count(cost, "--params", help="parameter count (7B)")
-    flags.count(
-        cost,
-        "--active-params",
-        help="parameters each token runs through, for a mixture of experts (47B total, 13B "
-        "active): FLOPs and time count these, memory every parameter (default: all)",
-    )
-    flags.count(cost, "--layers", help="model shape: blocks")
-    flags.count(cost, "--hidden", help="model shape: width")
-    flags.count(cost, "--heads", help="model shape: attention heads")
-    flags.count(cost, "--vocab", help="model shape: vocabulary size")
-    flags.model(cost, shapes=MODEL_SHAPES)
-    flags.number(cost, "--peak-tflops", help="peak TFLOP/s of one device")
-    flags.number(cost, "--mfu", help="model FLOPs utilisation, 0.4 or 40%%", allow_percent=True)
-    _add_memory_flags(p.add_argument_group("memory per device"))
-    lr = p.add_argument_group("learning rate")
-    flags.number(
-        lr,
-        "--base-lr",
-        help="LR tuned at --base-batch-tokens (with --batch-schedule: at its last batch)",
-    )
-    flags.count(lr, "--base-batch-tokens", help="global batch of --base-lr, tokens")
-    flags.lr_rule(lr, note="default sqrt for adamw, linear for sgd, none with --batch-schedule")
-    flags.json_output(p)
-    p.set_defaults(run=run)
-
-
-def _add_memory_flags(memory) -> None:
-    flags.precision(memory, default=DEFAULT_PRECISION, filled_in=True)
-    memory.add_argument("--optimizer", choices=OPTIMIZERS, help="adamw (default) or sgd")
-    memory.add_argument("--zero", choices=["0", "1", "2", "3"], help="ZeRO stage over --gpus")
-    memory.add_argument(
-        "--checkpointing", choices=CHECKPOINTING, help="full: keep block inputs only"
-    )
-    memory.add_argument(
-        "--flash-attention",
-        action="store_true",
-        default=None,
-        help="fused attention: the s x s scores are never stored",
-    )
-    memory.add_argument(
-        "--sync-every-micro-batch",
-        action="store_true",
-        default=None,
-        help="sync gradients after every micro-batch (ZeRO-2/3: sharded gradients, k x traffic);"
-        " default: once per window",
-    )
-    flags.size(memory, "--device-memory", help="80GB, 64GiB; bare number: GB")
-    flags.count(
-        memory,
-        "--trainable-params",
-        help="parameters that train, the rest frozen (40M): gradients, fp32 buffer and "
-        "optimizer state for these only",
-    )
-    flags.lora_rank(
-        memory, help="LoRA at rank R on every linear layer of every block (needs a model shape)"
-    )
-    flags.count(
-        memory,
-        "--base-bits",
-        metavar="BITS",
-        help="the frozen base stored in 4 (NF4, QLoRA), 8 (LLM.int8) or 16 bits (the default "
-        "under bf16); needs --lora-rank or --trainable-params; training a 4- or 8-bit base "
-        "needs bitsandbytes on a GPU, not provided by gradaccum train",
-    )
+COMMAND = Command(
+    name="plan",
+    help="plan a run: global batch, k, memory per device, time, FLOPs, LR",
+    description="Global batch = micro-batch x k x world: what it gives, what it costs.",
+    parts=(
+        part(PlanTargetSettings, "target_tokens", "target_sequences"),
+        part(BatchSettings, "accum_steps", "batch_schedule", "seq_len", "micro_batch"),
+        part(PlanTargetSettings, "micro_tokens", "gpus"),
+        part(PlanTimeSettings),
+        part(ModelSettings, "model"),
+        part(PlanModelSettings),
+        part(PrecisionSettings),
+        part(PlanMemorySettings),
+        part(LoraSettings, "lora_rank"),
+        part(PlanLRSettings),
+        part(BatchSettings, "lr_rule"),
+        part(RunSettings, "json"),
+    ),
+    run="plan",
+    epilog=_EPILOG,
+    defaults={"precision": DEFAULT_PRECISION, "seq_len": None, "accum_steps": None},
+)
 
 
 def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
-    """PlanInputs from the parsed flags (read as they were parsed); raises BadInput naming
-    the flag and value."""
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(PlanInputs)}
-    if values["zero"] is not None:
-        values["zero"] = int(values["zero"])
-    return PlanInputs(**values)
+    """PlanInputs from the parsed flags (None where not given: the plan says what it
+    assumed); raises BadInput naming the flag and value."""
+    given = namespace(args, fill=False)
+    return PlanInputs(**{f.name: getattr(given, f.name) for f in dataclasses.fields(PlanInputs)})
 
 
 def run(args: argparse.Namespace) -> int:
     plan = make_plan(inputs_from_args(args))
-    if args.json:
+    if getattr(args, "json", False):
         print_json(plan.to_dict())
     else:
         sys.stdout.write(render_table(plan))

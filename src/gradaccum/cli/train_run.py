@@ -6,15 +6,15 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..train.config import TrainConfig
-from ..train.loop import train
-from ..train.resume import settings_to_resume
-from .common import print_json
-from .train import given_values
+from gradaccum.cli.common import print_json
+from gradaccum.settings.command import given
+from gradaccum.train.config import TrainConfig
+from gradaccum.train.loop import train
+from gradaccum.train.rundir.resume import settings_to_resume
 
 
 def run(args: argparse.Namespace) -> int:
-    values = given_values(args)
+    values = given(args)
     if values.get("resume"):
         values = settings_to_resume(values)
     config = TrainConfig(**values)

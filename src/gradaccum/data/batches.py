@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..utils.errors import BadInput
-from .packing import document_positions
-from .tokens import TokenDataset
+from gradaccum.data.sft.packing import document_positions
+from gradaccum.data.tokens import TokenDataset
+from gradaccum.utils.errors import BadInput
 
 
 def as_batch(rows: torch.Tensor, eod_id: int | None = None) -> dict:

@@ -8,7 +8,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from ..utils.errors import BadInput, first_line
+from gradaccum.utils.errors import BadInput, first_line
 
 
 def load_hf_dataset(spec: str):

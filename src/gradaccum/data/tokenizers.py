@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 from typing import Protocol, runtime_checkable
 
-from ..utils.errors import BadInput, first_line
+from gradaccum.utils.errors import BadInput, first_line
 
 __all__ = [
     "BYTE_EOS",

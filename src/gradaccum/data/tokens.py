@@ -26,9 +26,9 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from ..utils.errors import BadInput
-from .corpus import MarkovCorpus
-from .hf_datasets import load_hf_dataset
+from gradaccum.data.corpus import MarkovCorpus
+from gradaccum.data.hf_datasets import load_hf_dataset
+from gradaccum.utils.errors import BadInput
 
 __all__ = ["DataInfo", "MarkovCorpus", "TokenDataset", "load_tokens"]
 

@@ -13,8 +13,22 @@
   also `gradaccum.moe`); not imported here, it loads the models' router code.
 """
 
-from .accumulator import Accumulator, LossFn, count_labels, windows
-from .window import StepResult, Window, backward_scale
+
+from gradaccum.utils.lazy import lazy_exports
+
+# imported on first use: the package's settings module loads without torch
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        "Accumulator": "accumulator",
+        "LossFn": "accumulator",
+        "count_labels": "accumulator",
+        "windows": "accumulator",
+        "StepResult": "window",
+        "Window": "window",
+        "backward_scale": "window",
+    },
+)
 
 __all__ = [
     "Accumulator",

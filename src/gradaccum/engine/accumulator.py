@@ -27,13 +27,13 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
-from ..parallel import backends, collectives
-from ..utils.choices import PRECISIONS
-from .grad_store import GradStore
-from .loss_contract import loss_pair
-from .noise import NoiseScale
-from .precision import LossScaler, autocast_dtype, is_low_precision
-from .window import StepResult, Window, backward_scale
+from gradaccum.engine.grad_store import GradStore
+from gradaccum.engine.loss_contract import loss_pair
+from gradaccum.engine.noise import NoiseScale
+from gradaccum.engine.precision import LossScaler, autocast_dtype, is_low_precision
+from gradaccum.engine.window import StepResult, Window, backward_scale, repeated_batch
+from gradaccum.parallel import backends, collectives
+from gradaccum.utils.choices import PRECISIONS
 
 __all__ = ["Accumulator", "StepResult", "Window", "backward_scale", "count_labels", "windows"]
 
@@ -147,7 +147,9 @@ class Accumulator:
         self.scaler = loss_scaler or LossScaler(enabled=precision == "fp16")
         self.autocast_dtype = autocast_dtype(precision)
         self.steps = 0
+        """Optimizer steps taken (windows finished and not skipped)."""
         self.skipped_total = 0
+        """Windows finished without a step (non-finite loss or gradient, or no tokens)."""
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("model has no parameters that require grad")
@@ -168,7 +170,7 @@ class Accumulator:
         """Where the window's gradient lives until the optimizer takes it."""
         self.noise = self._make_noise(params, noise_decay) if noise_scale else None
         """The noise-scale estimator (`gradaccum.engine.noise.NoiseScale`), or None."""
-        self._last_batch = None
+        self._last_batch = None  # this rank's last, repeated by `step` in a window with none
         self._open: Window | None = None  # the window begun and not yet closed
         self._tokens_per_micro_step = 0.0  # of the last finished window: floors an estimate
 
@@ -198,27 +200,22 @@ class Accumulator:
         """Forward and backward every micro-batch of one window, then step once.
 
         `loss_fn(model, batch)` returns the loss SUMMED over the batch's valid tokens and
-        their count. Under torchrun a rank with fewer micro-batches repeats its last batch of
-        this window (or, with none this window, its last one before) with weight 0, so every
-        rank joins the same collectives. A window that raises is abandoned (`Window.abandon`).
+        their count. The micro-steps run in `Window.run`: under torchrun a rank with fewer
+        micro-batches repeats its last batch of this window (or, with none this window, its
+        last one before) with weight 0, so every rank joins the same collectives; a window
+        that raises is abandoned (`Window.abandon`).
         """
         if not isinstance(micro_batches, Sequence):
             micro_batches = list(micro_batches)
-        last = micro_batches[len(micro_batches) - 1] if len(micro_batches) else self._last_batch
-        window = self._begin(micro_batches, None, has_batch=last is not None)
-        try:
-            for i in range(window.micro_steps):
-                real = i < len(micro_batches)
-                batch = micro_batches[i] if real else last
-                with window.micro_step():  # nothing of this micro-batch outlives it
-                    out = loss_pair(loss_fn(self.model, batch))
-                    window.run_backward(*out, 1.0 if real else 0.0, "loss_fn returned")
-                    del out  # the loss and its count die with their micro-step
-        except BaseException:
-            window.abandon()
-            raise
-        self._last_batch = last
-        return window.finish()
+        repeat = repeated_batch(micro_batches, self._last_batch)
+        window = self._begin(micro_batches, None, has_batch=repeat is not None)
+
+        def forward_backward(batch, weight: float) -> None:  # its loss dies with its micro-step
+            window.run_backward(*loss_pair(loss_fn(self.model, batch)), weight, "loss_fn returned")
+
+        result = window.run(micro_batches, forward_backward, stand_in=self._last_batch)
+        self._last_batch = repeat
+        return result
 
     def begin_window(
         self,
@@ -237,7 +234,7 @@ class Accumulator:
         `extra_sums`: a 1-d int64 CPU tensor of this rank's own counts, summed over ranks in
         the same all-gather that agrees on the window's size (no collective of its own) and
         exposed as `w.extra_sums`; every rank must pass the same length (the MoE balance's
-        routed tokens and expert counts: `gradaccum.models.balance`).
+        routed tokens and expert counts: `gradaccum.moe.balance`).
         """
         return self._begin(micro_batches, tokens, has_batch=True, extra_sums=extra_sums)
 
@@ -252,14 +249,25 @@ class Accumulator:
         else:
             self._drop_gradients()
 
-    def window_closed(self, window: Window, dropped: bool, tokens: int = 0) -> None:
-        """Called by `window` when it finishes (`tokens`: its N) or is dropped."""
+    def window_finished(self, window: Window, stepped: bool, tokens: int) -> None:
+        """Called by `window` once its optimizer step is taken (`stepped`) or skipped, before
+        its result is made: the step or skip counted, and its N (`tokens`) per micro-step
+        kept, to floor the next window's estimate of N."""
         if self._open is window:
             self._open = None
-        if dropped:
-            self._drop_gradients()
-        elif tokens > 0 and window.micro_steps:
+        if stepped:
+            self.steps += 1
+        else:
+            self.skipped_total += 1
+        if tokens > 0 and window.micro_steps:
             self._tokens_per_micro_step = tokens / window.micro_steps
+
+    def window_dropped(self, window: Window) -> None:
+        """Called by `window` when it is dropped (abandoned, refused, or failed in `finish`):
+        its partial gradients cleared, nothing counted."""
+        if self._open is window:
+            self._open = None
+        self._drop_gradients()
 
     def _drop_gradients(self) -> None:
         self.store.clear()
@@ -296,12 +304,16 @@ class Accumulator:
                 counted or 0, local_steps, self.dp.group, has_batch, capacity, extra
             )
         floor = self._tokens_per_micro_step * size.micro_steps
+        counted_rows = self.noise is not None and not isinstance(micro_batches, int)
         window = Window(
-            self, size.micro_steps, size.tokens if known else None, size.capacity, floor
+            self,
+            size.micro_steps,
+            size.tokens if known else None,
+            size.capacity,
+            floor,
+            extra_sums=size.extra_sums,
+            sequences=_count_rows(micro_batches) if counted_rows else 0,
         )
-        window.extra_sums = size.extra_sums
-        if self.noise is not None and not isinstance(micro_batches, int):
-            window.sequences = _count_rows(micro_batches)
         self._open = window
         return window
 

@@ -22,9 +22,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ..parallel import collectives
-from ..parallel.backends import Backend
-from .precision import is_low_precision
+from gradaccum.engine.precision import is_low_precision
+from gradaccum.parallel import collectives
+from gradaccum.parallel.backends import Backend
 
 
 class GradStore:

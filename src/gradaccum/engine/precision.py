@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..utils.choices import PRECISIONS
+from gradaccum.utils.choices import PRECISIONS
 
 _AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -1,6 +1,8 @@
 """One window in progress: its micro-steps, their backward scale, and its one optimizer step.
 
-`Accumulator.step` and `Accumulator.begin_window` make a `Window`. Besides the numerical
+`Accumulator.step` and `Accumulator.begin_window` make a `Window`. `Window.run` is the
+engine's one window loop (every micro-step, then `finish`), which `Accumulator.step`,
+`moe.balance.Balance.step` and the trainer call. Besides the numerical
 rules (docs/design.md, "Numerical rules"), a window keeps the engine's rules of use
 (docs/design.md, "Engine rules"), all checked at micro-step entry or at `finish`:
 - it runs exactly the micro-steps it was begun with, one backward in each: a micro-step past
@@ -17,18 +19,19 @@ rules (docs/design.md, "Numerical rules"), a window keeps the engine's rules of 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from ..parallel import collectives, devices
-from .loss_contract import checked_loss
-from .noise import NoiseEstimate
+from gradaccum.engine.loss_contract import checked_loss
+from gradaccum.engine.noise import NoiseEstimate
+from gradaccum.parallel import collectives, devices
 
 if TYPE_CHECKING:
-    from .accumulator import Accumulator
+    from gradaccum.engine.accumulator import Accumulator
 
 OPEN, FINISHED, ABANDONED = "open", "finished", "abandoned"
 
@@ -78,6 +81,14 @@ class StepResult:
     """The auxiliary terms given to `Window.backward(..., aux=)` (already normalized for the
     window, e.g. the MoE load-balancing loss), summed over micro-batches and ranks (weight-0
     repeats left out); None when no rank gave one. Not part of `loss`."""
+
+
+def repeated_batch(micro_batches: Sequence, stand_in=None):
+    """The batch a rank with fewer micro-batches than another (under torchrun a window runs
+    the most any rank has) runs again with weight 0, so that every rank joins the same
+    collectives: its last of this window, or with none `stand_in` (the last batch of its
+    previous window, or the trainer's stand-in); None when neither exists."""
+    return micro_batches[len(micro_batches) - 1] if len(micro_batches) else stand_in
 
 
 def backward_scale(
@@ -133,6 +144,8 @@ class Window:
     tokens: N over all ranks when counted up front, else None. capacity: the label elements
     of the window over all ranks when readable (N is at most that); floor: the least estimate
     of N when neither is known (the previous window's tokens per micro-step, times k).
+    extra_sums: the counts given to `begin_window(extra_sums=)`, summed over ranks.
+    sequences: this rank's sequences (rows) in the window, for the noise scale.
     """
 
     def __init__(
@@ -142,6 +155,8 @@ class Window:
         tokens: int | None,
         capacity: int | None = None,
         floor: float = 0.0,
+        extra_sums: torch.Tensor | None = None,
+        sequences: int = 0,
     ):
         self.acc = acc
         self.micro_steps = micro_steps
@@ -160,11 +175,11 @@ class Window:
         self._tokens_seen = torch.zeros((), dtype=torch.float64, device=acc.device)
         self._aux_sum = torch.zeros((), dtype=torch.float64, device=acc.device)
         self._aux_given = 0  # micro-steps that passed an aux term (host-side count)
-        self.extra_sums: torch.Tensor | None = None
+        self.extra_sums = extra_sums
         """The int64 counts given to `begin_window(extra_sums=)`, summed over ranks (this
         rank's own with one process); None when none were given."""
         self._traffic_start = acc.store.traffic()
-        self.sequences = 0
+        self.sequences = sequences
         """This rank's sequences (rows) in the window, for the noise scale in sequences."""
         devices.reset_peak_memory(acc.device)
 
@@ -197,6 +212,38 @@ class Window:
         )
 
     # ---- the micro-steps -----------------------------------------------------------------
+
+    def run(
+        self,
+        micro_batches: Sequence,
+        forward_backward: Callable[[object, float], object],
+        stand_in=None,
+        before_micro_step: Callable[[int], object] | None = None,
+    ) -> StepResult | object:
+        """Every micro-step of the window, then `finish()`: the engine's one window loop.
+
+        Micro-step i calls `forward_backward(batch, weight)` inside `with self.micro_step():`:
+        the batch's forward and one `backward` with that weight. The batch is micro-batch
+        i with weight 1 or, past this rank's own micro-batches, `repeated_batch(micro_batches,
+        stand_in)` with weight 0. `before_micro_step(i)`, when given, is asked before
+        micro-step i: None goes on; any other answer ends the window there, abandoned, and
+        `run` returns that answer instead of a StepResult (the trainer's stop and
+        out-of-memory agreement between ranks). Anything that raises abandons the window.
+        """
+        repeat = repeated_batch(micro_batches, stand_in)
+        try:
+            for i in range(self.micro_steps):
+                answer = None if before_micro_step is None else before_micro_step(i)
+                if answer is not None:
+                    self.abandon()
+                    return answer
+                real = i < len(micro_batches)
+                with self.micro_step():  # nothing of this micro-batch outlives it
+                    forward_backward(micro_batches[i] if real else repeat, 1.0 if real else 0.0)
+            return self.finish()
+        except BaseException:
+            self._drop()  # nothing to do when the micro-step or finish() dropped it already
+            raise
 
     @contextmanager
     def micro_step(self):
@@ -239,7 +286,7 @@ class Window:
 
         aux: a 0-d tensor (with its graph) already normalized for the window, so that the
         window's terms summed over micro-batches and ranks are the objective's auxiliary term
-        (the MoE load-balancing loss, `gradaccum.models.balance`). It is added to the loss's
+        (the MoE load-balancing loss, `gradaccum.moe.balance`). It is added to the loss's
         backward undivided by N: times `world` where the wrapper averages over ranks and
         times the fp16 loss scale (`backward_scale` with tokens=1). Weight 0 drops it too.
         Refused when normalize="tokens" and N was not counted up front (the end-of-window
@@ -342,13 +389,11 @@ class Window:
             )
         self.state = FINISHED  # from here on a second finish() is refused
         try:
-            result = self._finish()
+            return self._finish()
         except BaseException:
             self.state = ABANDONED
-            self.acc.window_closed(self, dropped=True)
+            self.acc.window_dropped(self)
             raise
-        self.acc.window_closed(self, dropped=False, tokens=result.tokens)
-        return result
 
     def abandon(self) -> None:
         """Drop this window: partial gradients cleared, nothing stepped or counted, the loss
@@ -361,7 +406,7 @@ class Window:
     def _drop(self) -> None:
         if self.state == OPEN:
             self.state = ABANDONED
-            self.acc.window_closed(self, dropped=True)
+            self.acc.window_dropped(self)
 
     def _refuse(self, what: str):
         self._drop()
@@ -387,10 +432,9 @@ class Window:
                 weighted, micro_batches, sequences = measured.noise_sums
                 s_big = measured.grad_norm**2
                 acc.noise.update((weighted, micro_batches), s_big, measured.tokens, sequences)
-        else:
-            acc.skipped_total += 1
         acc.scaler.update(found_inf=not measured.finite)
         acc.store.clear()
+        acc.window_finished(self, stepped=measured.ok, tokens=int(round(measured.tokens)))
         return self._result(measured)
 
     def _measure(self, grads: list[torch.Tensor]) -> _Measured:
@@ -444,7 +488,6 @@ class Window:
             acc.scheduler.step(measured.loss)
         elif acc.scheduler is not None:
             acc.scheduler.step()
-        acc.steps += 1
 
     def _result(self, measured: _Measured) -> StepResult:
         collectives, nbytes = self.acc.store.window_traffic(self._traffic_start)

@@ -8,12 +8,28 @@
 - `report`: the table and the lines that explain the choice.
 """
 
-from ..models.checkpointing import set_checkpointing
-from .memory import MemoryUse
-from .probe import find_micro_batch, measure_step
-from .report import choice_notes, render_table
-from .result import Candidate, FitResult, NothingFits
-from .search import BATCH_TOLERANCE, choose, largest_fitting, to_time
+
+from gradaccum.utils.lazy import lazy_exports
+
+# imported on first use: the package's settings module loads without torch
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        "MemoryUse": "memory",
+        "find_micro_batch": "probe",
+        "measure_step": "probe",
+        "choice_notes": "report",
+        "render_table": "report",
+        "Candidate": "result",
+        "FitResult": "result",
+        "NothingFits": "result",
+        "BATCH_TOLERANCE": "search",
+        "choose": "search",
+        "largest_fitting": "search",
+        "to_time": "search",
+        "set_checkpointing": "gradaccum.models.checkpointing",
+    },
+)
 
 __all__ = [
     "BATCH_TOLERANCE",

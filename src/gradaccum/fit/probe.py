@@ -42,17 +42,31 @@ from contextlib import contextmanager
 
 import torch
 
-from ..engine.accumulator import Accumulator
-from ..engine.precision import LossScaler
-from ..models.checkpointing import checkpointing_enabled, first_block, set_checkpointing
-from ..models.optimizer import adamw
-from ..parallel import collectives, devices
-from ..plan.sizes import fmt_bytes, fmt_int
-from ..utils.errors import BadInput
-from .memory import MemoryUse, SavedTensorCounter, optimizer_tensors, storage_bytes, storage_key
-from .report import choice_notes, render_table
-from .result import Candidate, FitResult, NothingFits
-from .search import BATCH_TOLERANCE, NOISE_FLOOR, Target, choose, largest_fitting, search, to_time
+from gradaccum.engine.accumulator import Accumulator
+from gradaccum.engine.precision import LossScaler
+from gradaccum.fit.memory import (
+    MemoryUse,
+    SavedTensorCounter,
+    optimizer_tensors,
+    storage_bytes,
+    storage_key,
+)
+from gradaccum.fit.report import choice_notes, render_table
+from gradaccum.fit.result import Candidate, FitResult, NothingFits
+from gradaccum.fit.search import (
+    BATCH_TOLERANCE,
+    NOISE_FLOOR,
+    Target,
+    choose,
+    largest_fitting,
+    search,
+    to_time,
+)
+from gradaccum.models.checkpointing import checkpointing_enabled, first_block, set_checkpointing
+from gradaccum.models.optimizer import adamw
+from gradaccum.parallel import collectives, devices
+from gradaccum.plan.sizes import fmt_bytes, fmt_int
+from gradaccum.utils.errors import BadInput
 
 __all__ = ["BATCH_TOLERANCE", "FitResult", "choose", "find_micro_batch", "largest_fitting"]
 __all__ += ["choice_notes", "measure_step", "render_table", "to_time"]

@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.table import Table
 
-from ..plan.sizes import fmt_bytes, fmt_int
-from .search import EXACT, MAX_NOISE
+from gradaccum.fit.search import EXACT, MAX_NOISE
+from gradaccum.plan.sizes import fmt_bytes, fmt_int
 
 if TYPE_CHECKING:
-    from .result import FitResult
+    from gradaccum.fit.result import FitResult
 
 
 def render_table(result: FitResult) -> str:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from ..utils.errors import BadInput
-from .memory import MemoryUse
-from .search import BATCH_TOLERANCE, NOISE_FLOOR, Target
+from gradaccum.fit.memory import MemoryUse
+from gradaccum.fit.search import BATCH_TOLERANCE, NOISE_FLOOR, Target
+from gradaccum.utils.errors import BadInput
 
 
 @dataclass

@@ -19,10 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..plan import accum_steps_for
+from gradaccum.plan import accum_steps_for
 
 if TYPE_CHECKING:
-    from .result import Candidate
+    from gradaccum.fit.result import Candidate
 
 NOISE_FLOOR = 0.03
 """Relative tokens/s difference under which two candidates count as equally fast."""

@@ -11,13 +11,13 @@ from dataclasses import asdict, fields
 import torch
 import torch.nn as nn
 
-from ..utils.choices import BUILTIN_MODELS, check_builtin_model
-from ..utils.errors import BadInput
-from . import hf_folder
-from .gpt import GPT, GPT_MODEL_TYPE, GPTConfig
-from .hf_config import UNBOUNDED, from_config, hf_info, max_positions
-from .hf_folder import short_error
-from .info import ModelInfo, check_fits
+from gradaccum.models import hf_folder
+from gradaccum.models.gpt import GPT, GPT_MODEL_TYPE, GPTConfig
+from gradaccum.models.hf_config import UNBOUNDED, from_config, hf_info, max_positions
+from gradaccum.models.hf_folder import short_error
+from gradaccum.models.info import ModelInfo, check_fits
+from gradaccum.utils.choices import BUILTIN_MODELS, check_builtin_model
+from gradaccum.utils.errors import BadInput
 
 
 def build_model(

@@ -29,8 +29,8 @@ from collections.abc import Callable
 
 import torch.nn as nn
 
-from ..utils.atomic import fsync_dir, umask, writing
-from .hf_folder import quiet_transformers
+from gradaccum.models.hf_folder import quiet_transformers
+from gradaccum.utils.atomic import fsync_dir, umask, writing
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -177,7 +177,7 @@ def export_hf_model(
     if not hasattr(model, "save_pretrained"):
         raise TypeError(
             f"export_hf_model: {type(model).__name__} is not a transformers model; the "
-            "built-in GPT is saved with gradaccum.train.checkpoint.save_model"
+            "built-in GPT is saved with gradaccum.train.rundir.checkpoint.save_model"
         )
     if has_lora(model):
         raise ValueError(

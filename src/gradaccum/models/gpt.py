@@ -3,14 +3,14 @@
 It is nanoGPT's: token and position embeddings, pre-LayerNorm blocks of causal
 self-attention (`F.scaled_dot_product_attention`) and a GELU MLP, a final LayerNorm and an
 output head tied to the token embedding. Given `document_ids` (several documents packed in one
-row, `gradaccum.data.packing`), attention is restricted to each document by a boolean
+row, `gradaccum.data.sft.packing`), attention is restricted to each document by a boolean
 block-causal mask, and positions restart at each document, so every document's logits are
 those it would have alone. Its parameter count is
 
     V*C + T*C + L*(12*C*C + 13*C) + 2*C        (V vocab, T seq_len, L layers, C width)
 
 with the tied head counted once. With `n_expert` E > 0 every block's MLP is a mixture of E
-such MLPs with a bias-free router (`gradaccum.models.moe`, top-`expert_top_k` routing), and
+such MLPs with a bias-free router (`gradaccum.moe.layer`, top-`expert_top_k` routing), and
 the count is
 
     V*C + T*C + L*(4*C*C + 8*C + E*C + E*(8*C*C + 5*C)) + 2*C
@@ -30,8 +30,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .document_mask import block_causal_mask, positions_from_documents
-from .moe import MoE, MoEOutput
+from gradaccum.models.document_mask import block_causal_mask, positions_from_documents
+from gradaccum.moe.layer import MoE, MoEOutput
 
 # The `model_type` written into config.json for this GPT, so a checkpoint folder says which
 # kind of model it holds (Hugging Face configs carry their own model_type).
@@ -57,7 +57,7 @@ class GPTConfig:
     expert_top_k: int = 2
     """Experts each token is routed to, at most n_expert (read only when n_expert > 0)."""
     router_aux_coef: float = 0.01
-    """Coefficient of the router's load-balancing loss (`gradaccum.models.balance`), as
+    """Coefficient of the router's load-balancing loss (`gradaccum.moe.balance`), as
     Hugging Face's `router_aux_loss_coef`."""
 
     def __post_init__(self):

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from ..utils.errors import BadInput
-from . import hf_folder
-from .hf_folder import short_error
-from .info import ModelInfo, check_fits
+from gradaccum.models import hf_folder
+from gradaccum.models.hf_folder import short_error
+from gradaccum.models.info import ModelInfo, check_fits
+from gradaccum.utils.errors import BadInput
 
 UNBOUNDED = 1 << 62
 """The positions of a config that states none (rotary embeddings read any length)."""

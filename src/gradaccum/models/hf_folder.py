@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..utils.errors import BadInput, first_line
+from gradaccum.utils.errors import BadInput, first_line
 
 WEIGHT_LAYOUTS: tuple[tuple[str, str], ...] = (
     ("model.safetensors.index.json", "sharded safetensors"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ..utils.errors import BadInput
+from gradaccum.utils.errors import BadInput
 
 
 @dataclass

@@ -40,9 +40,15 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn as nn
 
-from ..utils.errors import BadInput
-from .export import export_hf_model, has_lora, save_tokenizer, unwrap, write_folder_atomic
-from .gpt import GPT, GPT_MODEL_TYPE, GPTConfig
+from gradaccum.models.export import (
+    export_hf_model,
+    has_lora,
+    save_tokenizer,
+    unwrap,
+    write_folder_atomic,
+)
+from gradaccum.models.gpt import GPT, GPT_MODEL_TYPE, GPTConfig
+from gradaccum.utils.errors import BadInput
 
 ADAPTER = "default"
 """The one adapter's name inside peft's layers."""

@@ -72,7 +72,7 @@ def logits_of(out) -> torch.Tensor:
 
 
 PACKED_KEYS = ("position_ids", "document_ids")
-"""Keys of a packed batch (`gradaccum.data.packing.collate_packed`) that the model reads."""
+"""Keys of a packed batch (`gradaccum.data.sft.packing.collate_packed`) that the model reads."""
 
 
 def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:

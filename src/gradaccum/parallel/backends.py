@@ -18,10 +18,10 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from . import traffic
-from .collectives import world_size
-from .fsdp2 import FSDP2, is_fsdp2_module
-from .traffic import GradTraffic
+from gradaccum.parallel import traffic
+from gradaccum.parallel.collectives import world_size
+from gradaccum.parallel.fsdp2 import FSDP2, is_fsdp2_module
+from gradaccum.parallel.traffic import GradTraffic
 
 
 @runtime_checkable

@@ -11,7 +11,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import devices
+from gradaccum.parallel import devices
 
 
 def is_distributed(group=None) -> bool:
@@ -67,7 +67,7 @@ def agree_on_window_size(
     (its own, or one it repeats with weight 0); when some rank has none, every rank raises
     the same error instead of the others waiting for it in a collective.
     extra_sums: a 1-d int64 tensor of counts of the caller's own (the MoE balance's routed
-    tokens and expert counts, `gradaccum.models.balance`), appended to each rank's vector of
+    tokens and expert counts, `gradaccum.moe.balance`), appended to each rank's vector of
     the same all-gather and summed over ranks; every rank must pass the same length.
     """
     extra = extra_vector(extra_sums)

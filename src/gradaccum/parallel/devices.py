@@ -10,8 +10,8 @@ from contextlib import nullcontext
 
 import torch
 
-from ..utils.choices import DEVICES
-from ..utils.errors import BadInput
+from gradaccum.utils.choices import DEVICES
+from gradaccum.utils.errors import BadInput
 
 _KINDS = ("cuda", "npu", "xpu", "mps", "cpu")
 

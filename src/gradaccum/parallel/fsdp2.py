@@ -14,9 +14,9 @@ from contextlib import contextmanager
 
 import torch
 
-from . import traffic
-from .collectives import world_size
-from .traffic import GradTraffic
+from gradaccum.parallel import traffic
+from gradaccum.parallel.collectives import world_size
+from gradaccum.parallel.traffic import GradTraffic
 
 
 def is_fsdp2_module(module: torch.nn.Module) -> bool:

@@ -26,8 +26,8 @@ from itertools import islice
 import torch
 import torch.distributed as dist
 
-from ..utils.errors import first_line
-from . import collectives, devices
+from gradaccum.parallel import collectives, devices
+from gradaccum.utils.errors import first_line
 
 # Backends that run only on their own kind of device (gloo runs on any).
 _BACKEND_DEVICE = {"nccl": "cuda", "hccl": "npu", "xccl": "xpu"}

@@ -11,12 +11,12 @@ no torch: `import gradaccum.plan` leaves torch unimported.
 - `table`: the plan as a table for people.
 """
 
-from ..utils.errors import BadInput
-from .batch import accum_steps_for
-from .inputs import LR_RULES, PlanInputs
-from .make import make_plan
-from .result import MemoryReport, Plan
-from .table import render_table
+from gradaccum.plan.batch import accum_steps_for
+from gradaccum.plan.inputs import LR_RULES, PlanInputs
+from gradaccum.plan.make import make_plan
+from gradaccum.plan.result import MemoryReport, Plan
+from gradaccum.plan.table import render_table
+from gradaccum.utils.errors import BadInput
 
 PlanError = BadInput
 """The planner's name for the one bad-input type (gradaccum.utils.errors.BadInput)."""

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..utils.errors import BadInput
-from . import memory as mem
-from .inputs import PlanInputs, show_value
-from .sizes import fmt_int
+from gradaccum.plan import memory as mem
+from gradaccum.plan.inputs import PlanInputs, show_value
+from gradaccum.plan.sizes import fmt_int
+from gradaccum.utils.errors import BadInput
 
 _SEARCH = 65536  # micro-batches tried, from the top down, when looking for the best landing
 

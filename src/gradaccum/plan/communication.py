@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .memory import MemorySetup, unsharded_grad_bytes
+from gradaccum.plan.memory import MemorySetup, unsharded_grad_bytes
 
 
 @dataclass

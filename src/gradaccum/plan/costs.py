@@ -12,14 +12,14 @@ Pure arithmetic, no torch.
 
 from __future__ import annotations
 
-from . import memory as mem
-from .batch import accum_steps_for
-from .batch_schedule import lr_multiplier
-from .inputs import PlanInputs
-from .quantized import QuantizedBase
-from .result import MemoryReport
-from .schedule_plan import SchedulePlan, plan_schedule
-from .sizes import fmt_bytes, fmt_int
+from gradaccum.plan import memory as mem
+from gradaccum.plan.batch import accum_steps_for
+from gradaccum.plan.batch_schedule import lr_multiplier
+from gradaccum.plan.inputs import PlanInputs
+from gradaccum.plan.quantized import QuantizedBase
+from gradaccum.plan.result import MemoryReport
+from gradaccum.plan.schedule_plan import SchedulePlan, plan_schedule
+from gradaccum.plan.sizes import fmt_bytes, fmt_int
 
 
 def _gb(n_bytes: int | None) -> float | None:

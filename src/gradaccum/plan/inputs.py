@@ -8,13 +8,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..utils.choices import PRECISIONS
-from ..utils.errors import BadInput, flag_name
-from .batch_schedule import LR_RULES, BatchSchedule, parse_batch_schedule
-from .memory import CHECKPOINTING, OPTIMIZERS
-from .presets import preset
-from .quantized import BASE_BITS
-from .sizes import fmt_count_exact
+from gradaccum.plan.batch_schedule import LR_RULES, BatchSchedule, parse_batch_schedule
+from gradaccum.plan.memory import CHECKPOINTING, OPTIMIZERS
+from gradaccum.plan.presets import preset
+from gradaccum.plan.quantized import BASE_BITS
+from gradaccum.plan.settings import (
+    PlanLRSettings,
+    PlanMemorySettings,
+    PlanModelSettings,
+    PlanTargetSettings,
+    PlanTimeSettings,
+)
+from gradaccum.plan.sizes import fmt_count_exact
+from gradaccum.utils.choices import PRECISIONS
+from gradaccum.utils.errors import BadInput, flag_name
 
 _COUNTS = (
     "target_tokens target_sequences accum_steps seq_len micro_batch micro_tokens gpus steps "
@@ -39,80 +46,22 @@ def show_value(value) -> str:
 
 
 @dataclass
-class PlanInputs:
-    """What the user said; None where a flag was not given. Counts are whole numbers."""
+class PlanInputs(
+    PlanLRSettings, PlanMemorySettings, PlanModelSettings, PlanTimeSettings, PlanTargetSettings
+):
+    """What the user asked of a plan; None where a flag was not given. Counts are whole
+    numbers. The plan's own settings are its components' (`gradaccum.plan.settings`); these
+    are the batch, model, precision and LoRA rank every command takes
+    (`gradaccum.train.settings.BatchSettings` and the others), None when not given."""
 
-    target_tokens: int | None = None
-    """Global batch wanted per optimizer step, in tokens."""
-    target_sequences: int | None = None
-    """Global batch wanted per optimizer step, in sequences."""
     accum_steps: int | None = None
-    """k given directly instead of a target."""
-    batch_schedule: BatchSchedule | None = None
-    """Target tokens per step by tokens seen, instead of one target (a string is parsed:
-    `0:32k,1B:256k`); needs --total-tokens."""
+    batch_schedule: BatchSchedule | None = None  # a string is parsed: `0:32k,1B:256k`
     seq_len: int | None = None
-    """Tokens per sequence."""
     micro_batch: int | None = None
-    """Sequences per device per micro-step."""
-    micro_tokens: int | None = None
-    """Tokens per device per micro-step."""
-    gpus: int | None = None
-    """World size (data-parallel devices), at most MAX_GPUS; 1 when not given (and the plan
-    says so)."""
-    micro_step_time: float | None = None
-    """Measured seconds for one micro-step (forward and backward of one micro-batch)."""
-    steps: int | None = None
-    """Optimizer steps of the run."""
-    total_tokens: int | None = None
-    """Tokens the run should train on; steps are rounded up to reach it."""
-    params: int | None = None
-    """Parameter count, when no shape is given."""
-    layers: int | None = None
-    hidden: int | None = None
-    heads: int | None = None
-    vocab: int | None = None
-    model: str | None = None
-    """A model shape by name (see gradaccum.plan.presets.MODEL_SHAPES)."""
-    peak_tflops: float | None = None
-    """Peak dense TFLOP/s of one device at the training precision."""
-    mfu: float | None = None
-    """Model FLOPs utilisation, a fraction in (0, 1]."""
-    precision: str | None = None
-    """fp32 | bf16 | fp16; bf16 (memory.DEFAULT_PRECISION) when not given."""
-    optimizer: str | None = None
-    """adamw | sgd; adamw when not given."""
-    zero: int | None = None
-    """ZeRO stage 0-3, sharding over the world; 0 when not given."""
-    checkpointing: str | None = None
-    """none | full; none when not given."""
-    flash_attention: bool | None = None
-    sync_every_micro_batch: bool | None = None
-    """Sync gradients after every micro-batch (ZeRO-2/3 then keep them sharded); default: once
-    per window."""
-    device_memory: int | None = None
-    """Bytes of memory on one device."""
-    trainable_params: int | None = None
-    """Parameters that train (the rest frozen): gradients, fp32 buffer and optimizer state
-    for these only; activations for the whole model."""
-    lora_rank: int | None = None
-    """LoRA rank on every linear layer of every block: the adapters, counted from the model's
-    shape, are the trainable parameters."""
-    active_params: int | None = None
-    """Parameters each token runs through, when fewer than all (a mixture of experts routes
-    it to its top-k experts): FLOPs and the time from them count these, memory counts every
-    parameter. None: all of them."""
-    base_bits: int | None = None
-    """Bits of the frozen base's stored weights, 4, 8 or 16 (`gradaccum.plan.quantized`);
-    needs --lora-rank or --trainable-params, and 4 or 8 a model shape. None: the parameter
-    dtype (the same as 16 under bf16/fp16)."""
-    base_lr: float | None = None
-    """Learning rate tuned at --base-batch-tokens."""
-    base_batch_tokens: int | None = None
-    """Global batch, in tokens, at which --base-lr was tuned."""
-    lr_rule: str | None = None
-    """none | linear | sqrt; when not given: none with a batch schedule, else sqrt for adamw
-    and linear for sgd."""
+    model: str | None = None  # a model shape by name (gradaccum.plan.presets.MODEL_SHAPES)
+    precision: str | None = None  # bf16 (memory.DEFAULT_PRECISION) when not given
+    lora_rank: int | None = None  # the adapters, counted from the model's shape, train
+    lr_rule: str | None = None  # none with a batch schedule, else sqrt (adamw), linear (sgd)
 
     def __post_init__(self):
         if isinstance(self.batch_schedule, str):

@@ -8,16 +8,21 @@ rows describe its first phase; steps, tokens and time are the whole run's.
 
 from __future__ import annotations
 
-from ..utils.errors import BadInput
-from . import costs
-from . import memory as mem
-from .batch import check_schedule_micro, choose_micro_batch, deviation_warning, resolve_accum_steps
-from .communication import traffic
-from .inputs import PlanInputs, show_value
-from .presets import ModelShape, custom, preset
-from .quantized import QuantizedBase, quantized_base
-from .result import Plan
-from .sizes import fmt_int
+from gradaccum.plan import costs
+from gradaccum.plan import memory as mem
+from gradaccum.plan.batch import (
+    check_schedule_micro,
+    choose_micro_batch,
+    deviation_warning,
+    resolve_accum_steps,
+)
+from gradaccum.plan.communication import traffic
+from gradaccum.plan.inputs import PlanInputs, show_value
+from gradaccum.plan.presets import ModelShape, custom, preset
+from gradaccum.plan.quantized import QuantizedBase, quantized_base
+from gradaccum.plan.result import Plan
+from gradaccum.plan.sizes import fmt_int
+from gradaccum.utils.errors import BadInput
 
 
 def _model(i: PlanInputs) -> tuple[ModelShape | None, int | None]:

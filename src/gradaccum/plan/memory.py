@@ -35,9 +35,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..utils.choices import PRECISIONS
-from .presets import ModelShape
-from .quantized import QuantizedBase, block_linears
+from gradaccum.plan.presets import ModelShape
+from gradaccum.plan.quantized import QuantizedBase, block_linears
+from gradaccum.utils.choices import PRECISIONS
 
 DEFAULT_PRECISION = "bf16"
 """The precision a plan assumes when --precision is not given: mixed precision."""

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .presets import ModelShape
+from gradaccum.plan.presets import ModelShape
 
 BASE_BITS = (4, 8, 16)
 """The --base-bits a plan takes."""

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from .communication import Communication
-from .schedule_plan import SchedulePlan
+from gradaccum.plan.communication import Communication
+from gradaccum.plan.schedule_plan import SchedulePlan
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .batch_schedule import BatchSchedule, phases
+from gradaccum.plan.batch_schedule import BatchSchedule, phases
 
 
 @dataclass

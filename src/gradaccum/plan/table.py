@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .sizes import fmt_bytes, fmt_count, fmt_int, fmt_seconds
+from gradaccum.plan.sizes import fmt_bytes, fmt_count, fmt_int, fmt_seconds
 
 _LR_RULE = {"none": "unchanged", "linear": "x c", "sqrt": "x sqrt(c)"}
 _PHASE_ROWS = 15  # more phases (a long ramp) show the first and last few and one row between

@@ -36,10 +36,10 @@ from dataclasses import fields, replace
 
 import torch
 
-from ..models import lora
-from ..models.export import has_lora, unwrap
-from ..models.info import ModelInfo
-from ..utils.errors import BadInput
+from gradaccum.models import lora
+from gradaccum.models.export import has_lora, unwrap
+from gradaccum.models.info import ModelInfo
+from gradaccum.utils.errors import BadInput
 
 RECORD = "gradaccum_lora"
 """The key of the LoRA's record in a LoRA run's model config (and its checkpoints'

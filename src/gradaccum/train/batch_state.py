@@ -1,12 +1,15 @@
-"""The run's batch as it trains: micro-batch, k, total steps and tokens seen, in one object.
+"""The run's batch as it trains, in one object: micro-batch, k, tokens per step, where a
+batch schedule stands (tokens seen), total steps.
 
-Four things change them, each a method here and nothing else:
-- the plan (`BatchState.planned`): a run's first window, from `resolve_plan` and, with a
-  --batch-schedule, the schedule's k at 0 tokens seen;
-- a resume (`resumed`): the tokens the checkpoint had seen and, with a batch schedule, k
-  from them (for `auto`, the growth the checkpoint holds) and the steps left;
+k and the micro-batch are written in one place, `BatchState._set_k`, which these call:
+- the plan (`BatchState.planned`): a run's first window, from `resolve_plan` (read once)
+  and, with a --batch-schedule, the policy's k at 0 tokens seen;
+- a resume (`load_state_dict`): the tokens the checkpoint had seen and, with a batch
+  schedule, k from them (for `auto`, the growth the checkpoint holds) and the steps left;
 - the batch schedule (`next_window`, `grow`): k of each window from the tokens seen, and
-  `auto`'s growth toward the critical batch after a window;
+  `auto`'s growth toward the critical batch after a window; the policy
+  (`gradaccum.train.batching`) decides each k, this object keeps it;
+- the ranks' agreement on a window's micro-steps (`agreed`);
 - out of memory mid-window (`shrink`): a smaller micro-batch, k up by the same factor.
 
 `k` is the k of the window in progress, or of the last one until the next begins: after
@@ -16,10 +19,10 @@ the checkpoint's plan and the summary of the window just trained keep the k it h
 
 from __future__ import annotations
 
-from ..plan.sizes import fmt_count
-from .batching import Batching, make_batching, token_schedule
-from .config import TrainConfig
-from .schedule import Schedule
+from gradaccum.plan.sizes import fmt_count
+from gradaccum.train.batching import Fixed, Layout, make_policy, token_schedule
+from gradaccum.train.config import TrainConfig
+from gradaccum.train.schedule import Schedule
 
 
 def smaller_micro_batch(micro_batch: int) -> int | None:
@@ -33,49 +36,65 @@ class BatchState:
     optimizer step), total (optimizer steps of the whole run, as far as known) and tokens
     (tokens trained on, all ranks: where a batch schedule and its LR schedule stand)."""
 
-    def __init__(self, batching: Batching, micro_batch: int, k: int, total: int, config):
-        self._batching = batching
-        self._seq_len = config.seq_len
+    def __init__(self, policy: Fixed, config: TrainConfig, resolved, world_size: int):
+        self.policy = policy
+        """Decides k from window to window (`gradaccum.train.batching`)."""
+        self.seq_len, self.world_size = config.seq_len, world_size
         self.total_tokens = config.total_tokens
         """Tokens a batch-schedule run trains on; it ends once it has seen them."""
-        self.micro_batch, self.k, self.total = micro_batch, k, total
+        self.planned_tokens_per_step = resolved.tokens_per_step
+        """Tokens per step as planned (a schedule's first): the checkpoint's record."""
+        self.planned_steps = resolved.total_steps
+        """Optimizer steps as planned: the checkpoint's record; `total` is the run's count."""
         self.tokens = 0
-        if batching.varies:
-            self.k = batching.next_k(0)
-            self.total = batching.steps_left(0, self.total_tokens)
+        self.total = resolved.total_steps
+        layout = Layout(resolved.micro_batch * self.seq_len, world_size)
+        self._set_k(policy.first_k(resolved.accum_steps, layout), resolved.micro_batch)
+        if self.varies:
+            self.total = policy.steps_left(self.k, 0, self.total_tokens, layout)
 
     @classmethod
     def planned(cls, config: TrainConfig, resolved, world_size: int) -> BatchState:
         """The batch of a run's first window, as `resolved` (`resolve_plan`) planned it;
-        BadInput where `--batch-schedule auto` cannot estimate (`make_batching`)."""
-        micro, k = resolved.micro_batch, resolved.accum_steps
-        batching = make_batching(config, micro, world_size, k)
-        return cls(batching, micro, k, resolved.total_steps, config)
+        BadInput where `--batch-schedule auto` cannot estimate (`make_policy`)."""
+        layout = Layout(resolved.micro_batch * config.seq_len, world_size)
+        return cls(make_policy(config, layout), config, resolved, world_size)
+
+    def _set_k(self, k: int, micro_batch: int | None = None, *, from_next: bool = False) -> None:
+        """The one writer of k (and of the micro-batch, which only changes with it): k of the
+        window about to run and of those after it; `from_next`: of the windows after it only
+        (`auto`'s growth, decided after a window whose reports keep the k it trained at)."""
+        self._next_k = k
+        if not from_next:
+            self.k = k
+        if micro_batch is not None:
+            self.micro_batch = micro_batch
 
     @property
     def varies(self) -> bool:
         """Whether k may change from window to window (a --batch-schedule run)."""
-        return self._batching.varies
+        return self.policy.varies
 
     @property
-    def world_size(self) -> int:
-        return self._batching.world
+    def layout(self) -> Layout:
+        """Tokens of one micro-batch on one rank, and the ranks."""
+        return Layout(self.micro_batch * self.seq_len, self.world_size)
 
     @property
     def tokens_per_step(self) -> int:
         """Tokens of the window in progress (or the last) over all ranks: micro x seq x k x
         world."""
-        return self.micro_batch * self._seq_len * self.k * self.world_size
+        return self.micro_batch * self.seq_len * self.k * self.world_size
 
     @property
     def next_k(self) -> int:
         """k of the next window: `k`, or what `auto` grew it to after the last window."""
-        return self._batching.k
+        return self._next_k
 
     @property
     def next_tokens_per_step(self) -> int:
         """Tokens per step of the next window (over all ranks)."""
-        return self._batching.k * self._batching.per_micro_step
+        return self.next_k * self.layout.per_micro_step
 
     def lr_schedule(self, config: TrainConfig, resolved) -> Schedule:
         """A new run's LR schedule: over optimizer steps, or over tokens seen when the batch
@@ -91,15 +110,6 @@ class BatchState:
             return self.tokens >= self.total_tokens
         return steps >= self.total
 
-    def resumed(self, tokens: int, steps: int, batching_state: dict | None) -> None:
-        """After a resume at `steps` optimizer steps and `tokens` tokens seen: with a batch
-        schedule, k from them (and `auto`'s growth in `batching_state`), and the steps left."""
-        self.tokens = tokens
-        if self.varies:
-            self._batching.load_state_dict(batching_state)
-            self.k = self._batching.next_k(tokens)
-            self._count_steps(steps)
-
     def next_window(self, schedule: Schedule) -> float | None:
         """Before a window, with a batch schedule: its k, and the multiplier of the peak LR
         it trains at (both follow from the tokens seen, and for `auto` the checkpointed
@@ -108,11 +118,16 @@ class BatchState:
         if not self.varies:
             return None
         seen = self.tokens
-        self.k = self._batching.next_k(seen)
+        self._set_k(self.policy.k_at(self.next_k, seen, self.layout))
         # In warmup, the lr reached by the window's end (as step-counted warmup's first step
         # takes lr / warmup_steps, not 0); after it, the decay where the window starts.
         at = seen + self.tokens_per_step - 1 if seen < schedule.warmup_steps else seen
-        return schedule(at) * self._batching.lr_factor()
+        return schedule(at) * self.policy.lr_factor(self.k, self.layout)
+
+    def agreed(self, micro_steps: int) -> None:
+        """The window's micro-steps as the ranks agreed on them (under torchrun, the most
+        micro-batches a rank has): the window's k."""
+        self._set_k(micro_steps)
 
     def add_tokens(self, tokens: int) -> None:
         """A window trained on `tokens` more tokens (all ranks)."""
@@ -122,8 +137,10 @@ class BatchState:
         """After optimizer step `step` of `--batch-schedule auto`, whose noise scale is
         `critical_tokens`: k of the next windows grown toward it when allowed, and the steps
         left with it (`steps` taken); whether k grew."""
-        if not self._batching.after_window(step, critical_tokens):
+        grown = self.policy.grown(self.next_k, step, critical_tokens, self.layout)
+        if grown is None:
             return False
+        self._set_k(grown, from_next=True)
         self._count_steps(steps)
         return True
 
@@ -148,9 +165,7 @@ class BatchState:
         smaller = smaller_micro_batch(old)
         if smaller is None:
             return None
-        self.k = self.k * old // smaller
-        self.micro_batch = smaller
-        self._batching.set_micro_tokens(smaller * self._seq_len, self.k)
+        self._set_k(self.k * old // smaller, smaller)
         if self.varies:
             self._count_steps(steps)
         return smaller
@@ -158,8 +173,36 @@ class BatchState:
     def _count_steps(self, steps: int) -> None:
         """A batch-schedule run's total steps from where it stands (they change only when
         `auto` grows k or the micro-batch shrinks)."""
-        self.total = steps + self._batching.steps_left(self.tokens, self.total_tokens)
+        left = self.policy.steps_left(self.next_k, self.tokens, self.total_tokens, self.layout)
+        self.total = steps + left
 
-    def batching_state(self) -> dict:
-        """What a checkpoint keeps of the schedule's k (`Batching.state_dict`)."""
-        return self._batching.state_dict()
+    # ---- checkpoint --------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of the batch: `plan` (the batch as trained: micro-batch and
+        k now, the layout, the planned tokens per step and steps), `batching` (k of the next
+        window and the policy's own state) and `tokens` seen."""
+        return {
+            "plan": {
+                "micro_batch": self.micro_batch,
+                "accum_steps": self.k,
+                "world_size": self.world_size,
+                "seq_len": self.seq_len,
+                "tokens_per_step": self.planned_tokens_per_step,
+                "total_steps": self.planned_steps,
+            },
+            "batching": {"k": self.next_k, **self.policy.state_dict()},
+            "tokens": self.tokens,
+        }
+
+    def load_state_dict(self, state: dict, steps: int) -> None:
+        """After a resume at `steps` optimizer steps: the tokens seen and, with a batch
+        schedule, k from them (`auto`: the k and growth in `batching`) and the steps left.
+        The micro-batch and k of a fixed batch are the resumed plan's (`resume.batch_config`)."""
+        self.tokens = state["tokens"]
+        if not self.varies:
+            return
+        saved = state.get("batching") or {}
+        self.policy.load_state_dict(saved)
+        self._set_k(self.policy.k_at(int(saved.get("k", self.k)), self.tokens, self.layout))
+        self._count_steps(steps)

@@ -10,113 +10,151 @@ same k and the same LR from the same window on.
 With a schedule the LR schedule (warmup, then decay) runs over tokens seen, not steps:
 steps differ in size, and a ramp of the batch would otherwise stretch or squeeze the decay.
 `--warmup-steps` then counts steps of the first phase's batch, and a window in warmup takes
-the lr reached at its last token (with a fixed batch, what step-counted warmup gives). On top of it `--lr-rule`
-scales the LR with the window's batch (`lr_multiplier`), relative to the batch the recipe's
-LR belongs to: a schedule's last one, `auto`'s --max-tokens-per-step.
+the lr reached at its last token (with a fixed batch, what step-counted warmup gives). On top
+of it `--lr-rule` scales the LR with the window's batch (`lr_multiplier`), relative to the
+batch the recipe's LR belongs to: a schedule's last one, `auto`'s --max-tokens-per-step.
+
+A policy (`Fixed`, `Scheduled`, `Auto`, from `make_policy`) decides k and returns it; it
+keeps no k of its own. The run's batch, `gradaccum.train.batch_state.BatchState`, holds it.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
-from ..plan.batch_schedule import BatchSchedule, k_for, lr_multiplier, phases
-from ..utils.errors import BadInput
-from .config import AUTO, TrainConfig, read_schedule
-from .schedule import Schedule
+from gradaccum.plan.batch_schedule import BatchSchedule, k_for, lr_multiplier, phases
+from gradaccum.train.config import AUTO, TrainConfig, read_schedule
+from gradaccum.train.schedule import Schedule
+from gradaccum.utils.errors import BadInput
 
 
-class Batching:
-    """k for the next window. `fixed`: k stays (a run without --batch-schedule). A schedule:
-    k = round(target(tokens seen) / (micro tokens x world)), at least 1. `auto`: k starts at
-    the minimum batch and, after a window whose noise-scale estimate asks for more, grows to
-    round(estimate / (micro tokens x world)) within the maximum, at most doubling once per
-    `double_every` optimizer steps; it never shrinks."""
+@dataclass(frozen=True)
+class Layout:
+    """How a window's micro-steps are cut: `micro_tokens` tokens per micro-batch on each of
+    `world` ranks."""
 
-    def __init__(
-        self,
-        *,
-        micro_tokens: int,
-        world: int,
-        k: int,
-        schedule: BatchSchedule | None = None,
-        auto: tuple[int, int, int] | None = None,
-        lr_rule: str = "none",
-    ):
-        self.micro_tokens, self.world = micro_tokens, world
-        self.schedule, self.lr_rule = schedule, lr_rule
-        self.auto = auto
-        """(min tokens per step, max tokens per step, steps per doubling) of `auto`."""
-        self.k = k
-        self.last_growth = 0
-        """The optimizer step at which `auto` last grew k."""
-        if auto is not None:
-            self.k = self._k_for(auto[0])
-
-    @property
-    def varies(self) -> bool:
-        """Whether k may change from window to window."""
-        return self.schedule is not None or self.auto is not None
+    micro_tokens: int
+    world: int
 
     @property
     def per_micro_step(self) -> int:
         """Tokens all ranks take in one micro-step."""
         return self.micro_tokens * self.world
 
-    def _k_for(self, tokens_per_step: float) -> int:
+    def k_for(self, tokens_per_step: float) -> int:
+        """The k closest to `tokens_per_step` (`plan.batch_schedule.k_for`)."""
         return k_for(tokens_per_step, self.per_micro_step)
 
-    def next_k(self, tokens_seen: int) -> int:
+
+class Fixed:
+    """k stays as planned: a run without --batch-schedule (only out of memory changes it).
+
+    A policy decides k and returns it; the run's batch (`BatchState`) holds it. Each method
+    takes the k in force (`k`: the next window's as far as known) and the `Layout`."""
+
+    varies = False
+    """Whether k may change from window to window."""
+    lr_rule = "none"
+
+    def first_k(self, planned: int, layout: Layout) -> int:
+        """k of the run's first window, the plan's being `planned`."""
+        return planned
+
+    def k_at(self, k: int, tokens_seen: int, layout: Layout) -> int:
         """k of the window that starts after `tokens_seen` tokens."""
-        if self.schedule is not None:
-            self.k = self.schedule.accum_steps(tokens_seen, self.micro_tokens, self.world)
-        return self.k
+        return k
 
-    def after_window(self, step: int, critical_tokens: float | None) -> bool:
-        """`auto`: grow k toward `critical_tokens` (the noise scale after optimizer step
-        `step`) when allowed; whether k changed."""
-        if self.auto is None or critical_tokens is None or not math.isfinite(critical_tokens):
-            return False
-        low, high, every = self.auto
-        wanted = min(self._k_for(min(max(critical_tokens, low), high)), self._k_for(high))
-        if wanted <= self.k or step - self.last_growth < every:
-            return False
-        self.k, self.last_growth = min(wanted, 2 * self.k), step
-        return True
+    def grown(self, k: int, step: int, critical_tokens: float | None, layout: Layout) -> int | None:
+        """After optimizer step `step`, whose noise scale is `critical_tokens`: the k the
+        next windows take, or None where k stays (every policy but `auto`)."""
+        return None
 
-    def reference_tokens_per_step(self) -> int:
-        """The batch the given LR belongs to: a schedule's last, `auto`'s largest."""
-        if self.auto is not None:
-            return self._k_for(self.auto[1]) * self.per_micro_step
-        if self.schedule is not None:
-            return self.schedule.final_tokens_per_step(self.micro_tokens, self.world)
-        return self.k * self.per_micro_step
-
-    def lr_factor(self) -> float:
-        """The LR multiplier of the next window's batch under --lr-rule."""
-        if not self.varies:
-            return 1.0
-        ratio = self.k * self.per_micro_step / self.reference_tokens_per_step()
-        return lr_multiplier(ratio, self.lr_rule)
-
-    def set_micro_tokens(self, micro_tokens: int, k: int) -> None:
-        """After out of memory: a smaller micro-batch, and k for the same tokens per step."""
-        self.micro_tokens, self.k = micro_tokens, k
-
-    def steps_left(self, tokens_seen: int, total_tokens: int) -> int:
-        """Optimizer steps from `tokens_seen` until `total_tokens` are trained on: exact for
-        a schedule (phase by phase, as `plan` counts them), at the present k for `auto`."""
-        if self.schedule is not None:
-            found = phases(self.schedule, total_tokens, self.micro_tokens, self.world, tokens_seen)
-            return sum(p.steps for p in found)
-        per_step = self.k * self.per_micro_step
+    def steps_left(self, k: int, tokens_seen: int, total_tokens: int, layout: Layout) -> int:
+        """Optimizer steps from `tokens_seen` until `total_tokens` are trained on, at k."""
+        per_step = k * layout.per_micro_step
         return max(0, -(-(total_tokens - tokens_seen) // per_step))
 
+    def reference_tokens_per_step(self, k: int, layout: Layout) -> int:
+        """The batch the given LR belongs to."""
+        return k * layout.per_micro_step
+
+    def lr_factor(self, k: int, layout: Layout) -> float:
+        """The LR multiplier of a window of k micro-steps under --lr-rule."""
+        if not self.varies:
+            return 1.0
+        ratio = k * layout.per_micro_step / self.reference_tokens_per_step(k, layout)
+        return lr_multiplier(ratio, self.lr_rule)
+
     def state_dict(self) -> dict:
-        return {"k": self.k, "last_growth": self.last_growth}
+        """What a checkpoint keeps of the policy besides k (`BatchState.state_dict`)."""
+        return {"last_growth": 0}
 
     def load_state_dict(self, state: dict) -> None:
-        if self.auto is not None:
-            self.k, self.last_growth = int(state["k"]), int(state["last_growth"])
+        pass
+
+
+class Scheduled(Fixed):
+    """A batch schedule: k = round(target(tokens seen) / (micro tokens x world)), at least 1."""
+
+    varies = True
+
+    def __init__(self, schedule: BatchSchedule, lr_rule: str):
+        self.schedule, self.lr_rule = schedule, lr_rule
+
+    def first_k(self, planned: int, layout: Layout) -> int:
+        return self.k_at(planned, 0, layout)
+
+    def k_at(self, k: int, tokens_seen: int, layout: Layout) -> int:
+        return self.schedule.accum_steps(tokens_seen, layout.micro_tokens, layout.world)
+
+    def steps_left(self, k: int, tokens_seen: int, total_tokens: int, layout: Layout) -> int:
+        """Exact, phase by phase, as `plan` counts them."""
+        found = phases(self.schedule, total_tokens, layout.micro_tokens, layout.world, tokens_seen)
+        return sum(p.steps for p in found)
+
+    def reference_tokens_per_step(self, k: int, layout: Layout) -> int:
+        """The schedule's last batch."""
+        return self.schedule.final_tokens_per_step(layout.micro_tokens, layout.world)
+
+
+class Auto(Fixed):
+    """`auto`: k starts at the minimum batch and, after a window whose noise-scale estimate
+    asks for more, grows to round(estimate / (micro tokens x world)) within the maximum, at
+    most doubling once per `double_every` optimizer steps; it never shrinks. Its steps left
+    are counted at the present k."""
+
+    varies = True
+
+    def __init__(self, low: int, high: int, double_every: int, lr_rule: str):
+        self.low, self.high, self.double_every = low, high, double_every
+        """Min and max tokens per step, and optimizer steps per doubling."""
+        self.lr_rule = lr_rule
+        self.last_growth = 0
+        """The optimizer step at which k last grew."""
+
+    def first_k(self, planned: int, layout: Layout) -> int:
+        return layout.k_for(self.low)
+
+    def grown(self, k: int, step: int, critical_tokens: float | None, layout: Layout) -> int | None:
+        if critical_tokens is None or not math.isfinite(critical_tokens):
+            return None
+        wanted = layout.k_for(min(max(critical_tokens, self.low), self.high))
+        wanted = min(wanted, layout.k_for(self.high))
+        if wanted <= k or step - self.last_growth < self.double_every:
+            return None
+        self.last_growth = step
+        return min(wanted, 2 * k)
+
+    def reference_tokens_per_step(self, k: int, layout: Layout) -> int:
+        """The largest batch `auto` may grow to."""
+        return layout.k_for(self.high) * layout.per_micro_step
+
+    def state_dict(self) -> dict:
+        return {"last_growth": self.last_growth}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.last_growth = int(state["last_growth"])
 
 
 def targets(config: TrainConfig) -> tuple[int | None, int | None, str]:
@@ -135,29 +173,22 @@ def targets(config: TrainConfig) -> tuple[int | None, int | None, str]:
     return target, target, f"--tokens-per-step {target}"
 
 
-def make_batching(config: TrainConfig, micro_batch: int, world: int, k: int) -> Batching:
-    """The Batching of `config` for this layout; BadInput where `auto` cannot estimate."""
+def make_policy(config: TrainConfig, layout: Layout) -> Fixed:
+    """The k policy of `config` for this layout; BadInput where `auto` cannot estimate."""
     schedule = read_schedule(config.batch_schedule)
-    micro_tokens = micro_batch * config.seq_len
     if schedule is None:
-        return Batching(micro_tokens=micro_tokens, world=world, k=k)
+        return Fixed()
     if schedule != AUTO:
-        return Batching(
-            micro_tokens=micro_tokens, world=world, k=k, schedule=schedule, lr_rule=config.lr_rule
-        )
-    auto = config.auto_batch
-    low = auto[0]
-    batching = Batching(
-        micro_tokens=micro_tokens, world=world, k=k, auto=auto, lr_rule=config.lr_rule
-    )
-    if batching.k * world < 2:
+        return Scheduled(schedule, config.lr_rule)
+    low, high, every = config.auto_batch
+    if layout.k_for(low) * layout.world < 2:
         raise BadInput(
             "--min-tokens-per-step",
             low,
-            f"--batch-schedule auto needs at least 2 micro-batches of {micro_tokens} tokens per "
-            "step (over all ranks) to measure the noise scale",
+            f"--batch-schedule auto needs at least 2 micro-batches of {layout.micro_tokens} "
+            "tokens per step (over all ranks) to measure the noise scale",
         )
-    return batching
+    return Auto(low, high, every, config.lr_rule)
 
 
 def token_schedule(config: TrainConfig, total_tokens: int, first_tokens_per_step: int) -> Schedule:

@@ -12,18 +12,21 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
+import yaml
+
 try:
     import tomllib
 except ImportError:  # Python 3.10
     import tomli as tomllib
 
-from ..parallel import devices
-from ..utils.choices import check_builtin_model
-from ..utils.errors import BadInput
-from . import checkpoint
-from .config import FLAGS, TrainConfig
-from .lock import LOCK_FILE, RunLock
-from .tensorboard import check_available
+from gradaccum.parallel import devices
+from gradaccum.train.config import FLAGS, TrainConfig
+from gradaccum.train.rundir import checkpoint
+from gradaccum.train.rundir.lock import LOCK_FILE, RunLock
+from gradaccum.train.rundir.settings import LEGACY_SETTINGS_FILE, SETTINGS_FILE
+from gradaccum.train.rundir.tensorboard import check_available
+from gradaccum.utils.choices import check_builtin_model
+from gradaccum.utils.errors import BadInput
 
 
 def prepare(config: TrainConfig) -> TrainConfig:
@@ -91,23 +94,24 @@ def check_out_folder(out: str) -> None:
 
 
 START_ENTRIES = (".lock",)
-"""What a run writes before its train.toml: a folder holding only these (and .tmp- files,
+"""What a run writes before its config.yaml: a folder holding only these (and .tmp- files,
 atomic writes cut short) is a run whose start was cut short."""
 
 
 def is_run_folder(out: str) -> bool:
-    """Whether existing folder `out` is empty or one of our runs: it holds a train.toml of
-    flat `setting = value` lines whose keys are all train settings, a metrics.jsonl whose
+    """Whether existing folder `out` is empty or one of our runs: it holds a config.yaml (or
+    an earlier version's train.toml) whose keys are all train settings, a metrics.jsonl whose
     first line is one of our records (or no complete line yet), or a checkpoints/ folder
     holding only checkpoints (step-NNNNNNNN, `latest`, .tmp- leftovers); or nothing but what
     a run writes first (the lock). A run stopped by a double Ctrl-C before its first
-    checkpoint is one (train.toml, metrics.jsonl); so is a run folder the user added files
+    checkpoint is one (config.yaml, metrics.jsonl); so is a run folder the user added files
     to (notes), since it still holds these."""
     entries = os.listdir(out)
     if all(e in START_ENTRIES or e.startswith(".tmp-") for e in entries):
         return True
     return (
-        _our_train_toml(os.path.join(out, "train.toml"))
+        _our_settings(os.path.join(out, SETTINGS_FILE))
+        or _our_train_toml(os.path.join(out, LEGACY_SETTINGS_FILE))
         or _our_metrics(os.path.join(out, "metrics.jsonl"))
         or _our_checkpoints(os.path.join(out, checkpoint.CHECKPOINTS))
     )
@@ -116,7 +120,7 @@ def is_run_folder(out: str) -> bool:
 def undo_start(out: str) -> Callable[[], None]:
     """For a new run's start: a function that removes what the start made in `out` from now
     on, when it fails (a full disk): the folders made down to `out` when it does not exist
-    yet, else those of the files a start writes (lock, train.toml, metrics.jsonl,
+    yet, else those of the files a start writes (lock, config.yaml, metrics.jsonl,
     tensorboard/) that are not there now. What was there is left."""
     path, top = os.path.abspath(out), None
     while not os.path.exists(path):
@@ -127,13 +131,36 @@ def undo_start(out: str) -> Callable[[], None]:
         if top is not None:
             shutil.rmtree(top, ignore_errors=True)
             return
-        for name in (LOCK_FILE, "train.toml", "metrics.jsonl", "tensorboard"):
+        for name in (LOCK_FILE, SETTINGS_FILE, "metrics.jsonl", "tensorboard"):
             entry = os.path.join(out, name)
             if name in before or not os.path.lexists(entry):
                 continue
             shutil.rmtree(entry, ignore_errors=True) if os.path.isdir(entry) else os.unlink(entry)
 
     return undo
+
+
+def _our_settings(path: str) -> bool:
+    if not os.path.isfile(path):
+        return False
+    try:
+        with open(path, "rb") as f:
+            values = yaml.safe_load(f)
+    except (OSError, ValueError, yaml.YAMLError):
+        return False
+    if not isinstance(values, dict):
+        return False
+    flat = {}
+    for key, value in values.items():  # a section per component, as written
+        flat.update(value if isinstance(value, dict) else {key: value})
+    return _all_settings(flat)
+
+
+def _all_settings(values: dict) -> bool:
+    return all(
+        key.replace("-", "_") in FLAGS and isinstance(value, (str, int, float, bool))
+        for key, value in values.items()
+    )
 
 
 def _our_train_toml(path: str) -> bool:
@@ -144,10 +171,7 @@ def _our_train_toml(path: str) -> bool:
             values = tomllib.load(f)
     except (OSError, ValueError):  # TOMLDecodeError and UnicodeDecodeError are ValueErrors
         return False
-    return all(  # ours is flat: a setting's name = its value
-        key.replace("-", "_") in FLAGS and isinstance(value, (str, int, float, bool))
-        for key, value in values.items()
-    )
+    return _all_settings(values)  # flat: a setting's name = its value
 
 
 def _our_metrics(path: str) -> bool:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from ..data.batches import eval_batches
-from ..engine.precision import autocast_dtype
-from ..models.loss import causal_lm_loss
-from ..parallel import devices
+from gradaccum.data.batches import eval_batches
+from gradaccum.engine.precision import autocast_dtype
+from gradaccum.models.loss import causal_lm_loss
+from gradaccum.parallel import devices
 
 EVAL_TOKENS = 32768
 """Held-out tokens the eval loss is measured on (fewer if the split is smaller)."""

@@ -25,26 +25,27 @@ from collections.abc import Callable
 
 import torch
 
-from ..data.batches import Batches
-from ..engine.accumulator import Accumulator, StepResult
-from ..models.loss import causal_lm_loss
-from ..parallel import devices
-from ..parallel.process_group import RankInfo, init_distributed, teardown
-from ..utils.atomic import interrupted
-from ..utils.errors import BadInput, first_line
-from . import micro_batch, moe, parts, payload, resume, sft, summary
-from .batch_state import BatchState
-from .checks import prepare
-from .config import AUTO, TrainConfig
-from .console import Clock, Console, Progress, StopSignals
-from .evaluation import evaluate
-from .evaluation import to_device as _to_device
-from .metrics import read_metrics, window_record
-from .outputs import Outputs
-from .payload import RunState
-from .recovery import OUT_OF_MEMORY, PEER_OUT_OF_MEMORY, STOP, Recovery, lost_rank
-from .resolve import Resolved, resolve_run
-from .schedule import Schedule, make_scheduler
+from gradaccum.data.batches import Batches
+from gradaccum.engine.accumulator import Accumulator, StepResult
+from gradaccum.models.loss import causal_lm_loss
+from gradaccum.parallel import devices
+from gradaccum.parallel.process_group import RankInfo, init_distributed, teardown
+from gradaccum.train import micro_batch, moe, parts, sft, summary
+from gradaccum.train.batch_state import BatchState
+from gradaccum.train.checks import prepare
+from gradaccum.train.config import AUTO, TrainConfig
+from gradaccum.train.console import Clock, Console, Progress, StopSignals
+from gradaccum.train.evaluation import evaluate
+from gradaccum.train.evaluation import to_device as _to_device
+from gradaccum.train.recovery import OUT_OF_MEMORY, PEER_OUT_OF_MEMORY, STOP, Recovery, lost_rank
+from gradaccum.train.resolve import Resolved, resolve_run
+from gradaccum.train.rundir import payload, resume
+from gradaccum.train.rundir.metrics import read_metrics, window_record
+from gradaccum.train.rundir.outputs import Outputs
+from gradaccum.train.rundir.payload import RunState
+from gradaccum.train.schedule import Schedule, make_scheduler
+from gradaccum.utils.atomic import interrupted
+from gradaccum.utils.errors import BadInput, first_line
 
 __all__ = ["TrainConfig", "evaluate", "train"]
 
@@ -181,7 +182,7 @@ class Run:
         resolved = resolve_run(config, plan_config, model_info, rank_info)
         batch = BatchState.planned(config, resolved, rank_info.world_size)
         schedule, length_notes = resume.lr_schedule(config, ckpt, resolved, batch)
-        notes += length_notes + resume.batch_lines(ckpt, resolved)
+        notes += length_notes + resume.batch_lines(ckpt, batch)
         notes += resume.applied_changes(config, ckpt)
         outputs = Outputs.resuming(config, rank_info, ckpt)
         built = (data, model, model_info, resolved, batch, schedule, outputs, notes)
@@ -201,26 +202,12 @@ class Run:
 
     def restore(self, trainer_state: dict) -> None:
         """Continue exactly where the checkpoint stopped, with the changes `notes` names."""
-        self.state = payload.restore(
-            trainer_state,
-            config=self.config,
-            acc=self.acc,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            batches=self.batches,
-            batch=self.batch,
-            schedule=self.schedule,
-        )
-        if self.moe is not None:  # the previous window's f, and a changed mode said
-            self.notes += self.moe.load_state_dict(trainer_state, self.acc.steps)
+        self.notes += payload.restore(self, trainer_state)  # an MoE balance's changed mode
 
     def start(self) -> None:
-        """Say what is about to happen, take the folder's lock, write train.toml. No room on
+        """Say what is about to happen, take the folder's lock, write config.yaml. No room on
         the disk for any of it: RunFailed in one line, and a new run's start leaves nothing."""
-        resumed_at = self.acc.steps if self.outputs.resumed_at is not None else None
-        lines = summary.opening_lines(
-            self.config, self.resolved, self.model_info, self.data.info, self.device, resumed_at
-        )
+        lines = summary.opening_lines(self)
         if self.sft is not None:
             world = self.rank_info.world_size
             lines += self.sft.summary_lines()
@@ -338,7 +325,7 @@ class Run:
             sft_window = next(self.batches)
             micro_batches, self.window_examples = sft_window.micro_batches, sft_window.examples
         micro_batches = [_to_device(b, self.device) for b in micro_batches]
-        last = micro_batches[-1]
+        stand_in = micro_batches[-1]  # repeated, weight 0, by a rank with fewer micro-batches
         if self.sft is not None and not sft_window.shares:  # no example here: the stand-in
             micro_batches = []  # only joins the collectives, weight 0, routing no token
         moe = self.moe  # None for a dense model, whose window is only the engine's
@@ -346,25 +333,27 @@ class Run:
             window = self.acc.begin_window(micro_batches)  # counts the window's tokens over ranks
         else:  # and the balance's routed tokens and counts, in the same collective
             window = moe.begin_window(self.acc, self.model, micro_batches)
-        self.batch.k = window.micro_steps  # under torchrun, the most micro-batches a rank has
-        for i in range(window.micro_steps):
-            agreed = self.recovery.agree(signals.requested is not None, i, window.micro_steps)
-            if agreed == OUT_OF_MEMORY:
-                return PEER_OUT_OF_MEMORY
-            if agreed == STOP:
-                return None
-            # A rank with fewer micro-batches than another repeats its last with weight 0,
-            # so that every rank joins the same collectives.
-            real = i < len(micro_batches)
-            micro, weight = micro_batches[i] if real else last, 1.0 if real else 0.0
-            with window.micro_step():  # autocast; gradients sync on the last micro-batch only
-                if moe is None:
-                    loss_sum, num_tokens = causal_lm_loss(self.model, micro)
-                    window.backward(loss_sum, num_tokens, weight)  # world / N
-                else:  # cross-entropy and the micro-batch's term of the window's balance
-                    moe.backward(window, self.model, micro, weight)
-        # clip, optimizer and scheduler step, zero_grad: once
-        return window.finish() if moe is None else moe.finish(window)
+        self.batch.agreed(window.micro_steps)  # under torchrun, the most micro-batches a rank has
+
+        def forward_backward(micro: dict, weight: float) -> None:  # autocast: window.micro_step
+            if moe is None:
+                loss_sum, num_tokens = causal_lm_loss(self.model, micro)
+                window.backward(loss_sum, num_tokens, weight)  # world / N
+            else:  # cross-entropy and the micro-batch's term of the window's balance
+                moe.backward(window, self.model, micro, weight)
+
+        def agree(i: int) -> int | None:  # every rank ends the window at the same micro-step
+            flag = self.recovery.agree(signals.requested is not None, i, window.micro_steps)
+            return flag if flag in (STOP, OUT_OF_MEMORY) else None
+
+        # the micro-steps (gradients sync on the last only), then clip, optimizer and
+        # scheduler step, zero_grad: once
+        result = window.run(micro_batches, forward_backward, stand_in, before_micro_step=agree)
+        if not isinstance(result, StepResult):  # a stop or out of memory: window abandoned
+            return PEER_OUT_OF_MEMORY if result == OUT_OF_MEMORY else None
+        if moe is not None:
+            moe.end(result)
+        return result
 
     def _shrunk(self, line: str, event: dict) -> None:
         """After out of memory shrank the batch: the line printed, the event recorded."""
@@ -432,20 +421,7 @@ class Run:
 
     def trainer_state(self) -> dict:
         """Everything but the weights that the run needs to continue exactly (`payload`)."""
-        return payload.trainer_state(
-            config=self.config,
-            acc=self.acc,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            batches=self.batches,
-            data_fingerprint=self.data.info.fingerprint,
-            plan=self.resolved.summary(),
-            batch=self.batch,
-            schedule=self.schedule,
-            metrics_lines=self.outputs.metrics.lines,
-            state=self.state,
-            moe=self.moe,
-        )
+        return payload.trainer_state(self)
 
     def save(self) -> None:
         """A checkpoint of the last finished window, unless one of it exists (`Outputs.save`)."""
@@ -466,12 +442,12 @@ class Run:
         if self.is_main:
             outputs.metrics.close()
             records = read_metrics(os.path.join(config.out, "metrics.jsonl"))
-            files = ["metrics.jsonl", "train.toml"]
+            files = ["metrics.jsonl", "config.yaml"]
             if stopped is None:  # model.pt (and out/hf), or LoRA's adapter/ (and merged/)
                 tokenizer = self.sft.tokenizer_dir if self.sft is not None else None
                 model, at = parts.unwrapped(self.model), f"step {step}/{self.batch.total}"
                 files += outputs.export_model(model, self.model_info, tokenizer, at)
-            title = summary.plot_title(records, self.model_info, self.batch, config)
+            title = summary.plot_title(records, self)
             files += summary.plot(records, outputs, self.data.info.entropy_floor, title)
             if config.tensorboard and "tensorboard/" not in outputs.not_written:
                 files.append("tensorboard/")
@@ -480,19 +456,7 @@ class Run:
         line = summary.critical_batch_line(noise, self.batch.tokens_per_step)
         if line:
             self.console.say(line)
-        result = summary.summary(
-            records,
-            stopped,
-            config=config,
-            state=self.state,
-            batch=self.batch,
-            steps=step,
-            data_info=self.data.info,
-            model_info=self.model_info,
-            device=self.device,
-            noise=noise,
-            wall_s=time.perf_counter() - self.clock.started,
-        )
+        result = summary.summary(self, records, stopped, time.perf_counter() - self.clock.started)
         result.update(moe.summary_fields(self.moe, records))
         result["files"] = files
         result["not_written"] = dict(outputs.not_written)

@@ -17,6 +17,10 @@ This is the one place `--micro-batch auto` is decided:
 - on --resume, `auto` (or the checkpoint's own value) keeps the micro-batch the run trained
   with, or the largest below it that divides the sequences per device of a step
   (`changed_on_resume`, `on_resume`).
+
+Whatever is settled here reaches the run through its plan only: the run's batch
+(`gradaccum.train.batch_state.BatchState`) takes it once, and afterwards only out of memory
+changes it (`BatchState.shrink`).
 """
 
 from __future__ import annotations
@@ -27,16 +31,17 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from .. import fit
-from ..data.batches import as_batch
-from ..models.loss import causal_lm_loss
-from ..parallel import devices
-from ..parallel.process_group import RankInfo
-from ..plan import PlanInputs, make_plan
-from ..utils.errors import BadInput
-from . import checkpoint, parts
-from .batching import targets
-from .config import AUTO, TrainConfig
+from gradaccum import fit
+from gradaccum.data.batches import as_batch
+from gradaccum.models.loss import causal_lm_loss
+from gradaccum.parallel import devices
+from gradaccum.parallel.process_group import RankInfo
+from gradaccum.plan import PlanInputs, make_plan
+from gradaccum.train import parts
+from gradaccum.train.batching import targets
+from gradaccum.train.config import AUTO, TrainConfig
+from gradaccum.train.rundir import checkpoint
+from gradaccum.utils.errors import BadInput
 
 AUTO_FIT_SECONDS = 4.0
 """Seconds `--micro-batch auto` spends probing and timing micro-batch sizes."""

@@ -1,5 +1,5 @@
 """A mixture of experts in `gradaccum train`: --moe-balance, the load-balancing loss trained
-with each window (`gradaccum.models.balance`), its figures in metrics.jsonl and the summary,
+with each window (`gradaccum.moe.balance`), its figures in metrics.jsonl and the summary,
 and its state in the checkpoint.
 
 The mode: --moe-balance, or "global" (the big batch's loss, exactly) for an MoE model and
@@ -14,10 +14,10 @@ from collections.abc import Sequence
 
 import torch
 
-from ..models import router
-from ..models.balance import Balance, BalanceStats
-from ..utils.errors import BadInput, first_line
-from .config import TrainConfig
+from gradaccum.moe import router
+from gradaccum.moe.balance import Balance, BalanceStats
+from gradaccum.train.config import TrainConfig
+from gradaccum.utils.errors import BadInput, first_line
 
 DEFAULT_MODE = "global"
 """The mode of an MoE model when --moe-balance is not given: the big batch's loss."""
@@ -86,9 +86,9 @@ def check(config: TrainConfig, model: torch.nn.Module) -> None:
 
 class MoETraining:
     """The run's balance, one window at a time, for the loop: `begin_window` (the routing
-    pass where the mode needs one, then the engine's window), `backward` per micro-batch,
-    `finish`; `abandon` for a window dropped (a stop, out of memory). `stats` holds the
-    last finished window's figures."""
+    pass where the mode needs one, then the engine's window), `backward` per micro-step of
+    `Window.run`, `end` with the window's result; `abandon` for a window dropped (a stop,
+    out of memory). `stats` holds the last finished window's figures."""
 
     def __init__(self, balance: Balance):
         self.balance = balance
@@ -124,14 +124,11 @@ class MoETraining:
 
     def backward(self, window, model: torch.nn.Module, micro: dict, weight: float) -> None:
         """One micro-batch: its cross-entropy and its term of the window's balance loss."""
-        loss_sum, num_tokens, aux = self.balance.loss(model, micro, weight)
-        window.backward(loss_sum, num_tokens, weight, aux=aux)
+        self.balance.backward(window, model, micro, weight)
 
-    def finish(self, window):
-        """`window.finish()`, then the window's figures into `stats`."""
-        result = window.finish()
+    def end(self, result) -> None:
+        """After the window finished (its StepResult): its figures into `stats`."""
         self.stats = self.balance.end(result)
-        return result
 
     def abandon(self) -> None:
         self.balance.abandon()

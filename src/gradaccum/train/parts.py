@@ -15,16 +15,16 @@ from dataclasses import dataclass
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ..data.tokens import DataInfo, TokenDataset, load_tokens
-from ..hf import packed_positions_supported
-from ..models.build import build_model
-from ..models.checkpointing import set_checkpointing
-from ..models.info import ModelInfo
-from ..models.optimizer import adamw
-from ..parallel.process_group import RankInfo
-from ..utils.errors import BadInput, first_line
-from . import adapters, moe, sft
-from .config import TrainConfig
+from gradaccum.data.tokens import DataInfo, TokenDataset, load_tokens
+from gradaccum.hf import packed_positions_supported
+from gradaccum.models.build import build_model
+from gradaccum.models.checkpointing import set_checkpointing
+from gradaccum.models.info import ModelInfo
+from gradaccum.models.optimizer import adamw
+from gradaccum.parallel.process_group import RankInfo
+from gradaccum.train import adapters, moe, sft
+from gradaccum.train.config import TrainConfig
+from gradaccum.utils.errors import BadInput, first_line
 
 ADAM_BETAS = (0.9, 0.95)
 """AdamW's betas in training (nanoGPT, GPT-3): a shorter second-moment memory than torch's

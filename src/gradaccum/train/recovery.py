@@ -28,12 +28,12 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable
 
-from ..engine.accumulator import Accumulator, StepResult
-from ..parallel import collectives, devices
-from ..parallel.process_group import RankInfo, peer_lost
-from ..utils.errors import RanksLost, RunFailed, first_line
-from . import checkpoint
-from .batch_state import BatchState, smaller_micro_batch
+from gradaccum.engine.accumulator import Accumulator, StepResult
+from gradaccum.parallel import collectives, devices
+from gradaccum.parallel.process_group import RankInfo, peer_lost
+from gradaccum.train.batch_state import BatchState, smaller_micro_batch
+from gradaccum.train.rundir import checkpoint
+from gradaccum.utils.errors import RanksLost, RunFailed, first_line
 
 GO, STOP, OUT_OF_MEMORY = 0, 1, 2
 """What the ranks agree on, one flag per micro-step (the largest wins)."""

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..parallel import devices
-from ..plan import Plan, PlanInputs, make_plan, render_table
-from ..utils.errors import BadInput
-from . import adapters, micro_batch
-from .batching import targets
-from .config import AUTO, TrainConfig
+from gradaccum.parallel import devices
+from gradaccum.plan import Plan, PlanInputs, make_plan, render_table
+from gradaccum.train import adapters, micro_batch
+from gradaccum.train.batching import targets
+from gradaccum.train.config import AUTO, TrainConfig
+from gradaccum.utils.errors import BadInput
 
 MAX_ACCUM_STEPS = 65536
 """Most micro-batches one window may hold: the trainer fetches a window's micro-batches
@@ -26,7 +26,9 @@ before the first backward (to count its tokens), so k bounds host memory."""
 
 @dataclass
 class Resolved:
-    """The run's batch and length, as trained: the plan's numbers, plus the warmup."""
+    """The run's batch and length as planned: the plan's numbers, plus the warmup. The run's
+    batch (`BatchState`) reads its first micro-batch, k and steps from here once; from then
+    on it alone says what the run trains at."""
 
     plan: Plan
     """The plan `gradaccum plan` would print for this run (memory estimate included)."""
@@ -44,18 +46,9 @@ class Resolved:
         return self.plan.accum_steps
 
     @property
-    def world_size(self) -> int:
-        """Ranks (torchrun processes)."""
-        return self.plan.world_size
-
-    @property
-    def seq_len(self) -> int:
-        """Tokens per sequence."""
-        return self.plan.seq_len
-
-    @property
     def tokens_per_step(self) -> int:
-        """micro_batch x seq_len x k x world: tokens per optimizer step, as trained."""
+        """micro_batch x seq_len x k x world: tokens per optimizer step, as planned (a batch
+        schedule's first)."""
         return self.plan.global_batch_tokens
 
     @property
@@ -67,17 +60,6 @@ class Resolved:
     def table(self) -> str:
         """The plan as `gradaccum plan` shows it."""
         return render_table(self.plan)
-
-    def summary(self) -> dict:
-        """The batch a checkpoint records: a resume keeps its tokens per step and sequence length."""
-        return {
-            "micro_batch": self.micro_batch,
-            "accum_steps": self.accum_steps,
-            "world_size": self.world_size,
-            "seq_len": self.seq_len,
-            "tokens_per_step": self.tokens_per_step,
-            "total_steps": self.total_steps,
-        }
 
 
 def resolve_run(config: TrainConfig, plan_config: TrainConfig, model_info, rank_info) -> Resolved:

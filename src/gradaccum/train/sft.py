@@ -3,15 +3,15 @@
 What differs from pretraining, and only that, is here; the loop (`gradaccum.train.loop`) runs
 both tasks:
 - the data (`load_data`): the rows of --data (.jsonl, .json, .parquet, hf:NAME) or the
-  built-in instruction set (`gradaccum.data.sft_tasks`), tokenized by the model's tokenizer
+  built-in instruction set (`gradaccum.data.sft.builtin`), tokenized by the model's tokenizer
   (the built-in byte tokenizer for the built-in GPT, the --init-from folder's own with its
   chat template for a Hugging Face folder) into examples whose targets are the completion
-  tokens (`gradaccum.data.sft`), and a held-out split (`split_heldout`);
+  tokens (`gradaccum.data.sft.load`), and a held-out split (`split_heldout`);
 - the windows (`SFTStream`): --examples-per-step examples, or whole examples up to
   --tokens-per-step counted target tokens, per optimizer step, over all ranks, dealt to the
   ranks and cut into micro-batches as --packing says (`packing_of`): runs of --micro-batch
-  padded to their longest (`gradaccum.data.sft_batches`), or by --micro-batch-tokens, padded
-  per micro-batch or packed into padding-free rows (`gradaccum.data.sft_packed`). The
+  padded to their longest (`gradaccum.data.sft.windows`), or by --micro-batch-tokens, padded
+  per micro-batch or packed into padding-free rows (`gradaccum.data.sft.packed`). The
   engine's N is the window's target tokens over every micro-batch and rank, so the step does
   not depend on the packing, the micro-batch or the number of ranks;
 - the plan (`plan_config`): the window's examples as sequences of --seq-len (the memory
@@ -31,21 +31,21 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..data.packing import bucket_lengths
-from ..data.sft import SFTData, load_sft, tokenize_rows
-from ..data.sft_batches import SFTBatches, split_heldout
-from ..data.sft_eval import exact_match, heldout_loss
-from ..data.sft_examples import Example
-from ..data.sft_packed import Packing, packed_window
-from ..data.sft_rows import rows_from_dicts
-from ..data.sft_tasks import SOURCE, builtin_rows, check
-from ..data.tokenizers import ByteTokenizer, load_tokenizer
-from ..data.tokens import DataInfo
-from ..engine.precision import autocast_dtype
-from ..models.gpt import GPT_MODEL_TYPE
-from ..parallel import devices
-from ..utils.errors import BadInput
-from .config import TrainConfig
+from gradaccum.data.sft.builtin import SOURCE, builtin_rows, check
+from gradaccum.data.sft.evaluation import exact_match, heldout_loss
+from gradaccum.data.sft.examples import Example
+from gradaccum.data.sft.load import SFTData, load_sft, tokenize_rows
+from gradaccum.data.sft.packed import Packing, packed_window
+from gradaccum.data.sft.packing import bucket_lengths
+from gradaccum.data.sft.rows import rows_from_dicts
+from gradaccum.data.sft.windows import SFTBatches, split_heldout
+from gradaccum.data.tokenizers import ByteTokenizer, load_tokenizer
+from gradaccum.data.tokens import DataInfo
+from gradaccum.engine.precision import autocast_dtype
+from gradaccum.models.gpt import GPT_MODEL_TYPE
+from gradaccum.parallel import devices
+from gradaccum.train.config import TrainConfig
+from gradaccum.utils.errors import BadInput
 
 HELDOUT_FRACTION = 0.05
 """Share of the examples held out for evaluation (at least one, when there are two or more)."""

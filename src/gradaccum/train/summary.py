@@ -5,27 +5,27 @@ from __future__ import annotations
 
 import math
 import os
+from typing import TYPE_CHECKING
 
-from ..models.info import ModelInfo
-from ..plan.sizes import fmt_count
-from ..utils.errors import DiskFull
-from . import adapters
-from .batch_state import BatchState
-from .config import TrainConfig
-from .metrics import plot_loss
-from .outputs import Outputs
-from .payload import RunState
+from gradaccum.plan.sizes import fmt_count
+from gradaccum.train import adapters
+from gradaccum.train.rundir.metrics import plot_loss
+from gradaccum.train.rundir.outputs import Outputs
+from gradaccum.utils.errors import DiskFull
+
+if TYPE_CHECKING:
+    from gradaccum.train.loop import Run
 
 
-def opening_lines(
-    config: TrainConfig, resolved, model_info: ModelInfo, data_info, device, resumed_at: int | None
-) -> list[str]:
-    """The plan's table, the model, the data, the device and where the run starts
-    (`resumed_at`: the step a resume continues from, None for a new run)."""
-    info, floor = data_info, data_info.entropy_floor
-    at = f", resuming at step {resumed_at}" if resumed_at is not None else ""
+def opening_lines(run: Run) -> list[str]:
+    """The plan's table, the model, the data, the device and where the run starts (the
+    step a resume continues from)."""
+    config, model_info, device = run.config, run.model_info, run.device
+    info, floor = run.data.info, run.data.info.entropy_floor
+    resumed = run.outputs.resumed_at is not None
+    at = f", resuming at step {run.acc.steps}" if resumed else ""
     lines = [
-        resolved.table,
+        run.resolved.table,
         f"model  {model_info.source}: {model_info.params:,} parameters",
         f"data   {info.source}: vocab {info.vocab_size}, ln V = {math.log(info.vocab_size):.3f}"
         + (f", entropy floor {floor:.3f} nats/token" if floor is not None else ""),
@@ -70,11 +70,10 @@ def plot(records: list[dict], outputs: Outputs, entropy_floor: float | None, tit
     return ["loss.png"] if written else []
 
 
-def plot_title(
-    records: list[dict], model_info: ModelInfo, batch: BatchState, config: TrainConfig
-) -> str:
+def plot_title(records: list[dict], run: Run) -> str:
     """The model and the batch: b x k x world, or a schedule's first and last batch; for
     --task sft the examples and the mean counted tokens per step."""
+    config, model_info, batch = run.config, run.model_info, run.batch
     if config.task == "sft":
         counted = [r["counted_tokens"] for r in records if "counted_tokens" in r] or [0]
         per_step = config.examples_per_step
@@ -130,24 +129,15 @@ def critical_batch_line(noise, tokens_per_step: int) -> str | None:
     )
 
 
-def summary(
-    records: list[dict],
-    stopped: str | None,
-    *,
-    config: TrainConfig,
-    state: RunState,
-    batch: BatchState,
-    steps: int,
-    data_info,
-    model_info: ModelInfo,
-    device,
-    noise,
-    wall_s: float,
-) -> dict:
-    """The --json object. Losses are nats per token: initial_loss of the run's first
-    window, final_loss of its last, final_eval_loss on the held-out split. tokens_per_s
-    counts only time inside training windows (not eval, saving or start-up); wall_s is
-    this process's whole time. Ranks other than 0 read no metrics and report no losses."""
+def summary(run: Run, records: list[dict], stopped: str | None, wall_s: float) -> dict:
+    """The --json object of `run` after its `acc.steps` optimizer steps, `stopped` by what
+    (None: finished); `records`: metrics.jsonl's. Losses are nats per token: initial_loss of
+    the run's first window, final_loss of its last, final_eval_loss on the held-out split.
+    tokens_per_s counts only time inside training windows (not eval, saving or start-up);
+    wall_s is this process's whole time. Ranks other than 0 read no metrics and report no
+    losses."""
+    config, state, batch, steps = run.config, run.state, run.batch, run.acc.steps
+    data_info, noise = run.data.info, run.acc.noise.last if run.acc.noise is not None else None
     train_lines = [r for r in records if "loss" in r]
     eval_lines = [r for r in records if "eval_loss" in r]
     sft = config.task == "sft"
@@ -172,9 +162,9 @@ def summary(
         "tokens_per_step": batch.tokens // max(steps, 1) if sft else batch.tokens_per_step,
         "examples_per_step": config.examples_per_step,
         "batch_schedule": config.batch_schedule,
-        "params": model_info.params,
-        "lora": adapters.record_of(model_info),  # rank, targets, trainable count; None: no LoRA
-        "device": str(device),
+        "params": run.model_info.params,
+        "lora": adapters.record_of(run.model_info),  # rank, targets, trainable count; None: no LoRA
+        "device": str(run.device),
         "precision": config.precision,
         "stopped": stopped,
         "noise_scale_tokens": critical_tokens(noise),

@@ -1,23 +1,9 @@
-"""The two tasks of `gradaccum train` (--task pretrain | sft): the defaults that depend on the
-task, stated once, and the settings only one of them takes. No torch, no file."""
+"""The two tasks of `gradaccum train` (--task pretrain | sft): the settings only one of them
+takes (their defaults are `gradaccum.train.settings.TASK_DEFAULTS`). No torch, no file."""
 
 from __future__ import annotations
 
-from ..utils.errors import BadInput, flag_name
-
-DATA_FORMATS = ("auto", "prompt-completion", "messages", "alpaca")
-"""--data-format of --task sft (gradaccum.data.sft_rows.FORMATS)."""
-
-TASK_DEFAULTS = {
-    "pretrain": {"micro_batch": "auto", "lr": 3e-3, "eval_every": 50},
-    "sft": {"micro_batch": 16, "lr": 2e-3, "eval_every": 300, "max_steps": 1200},
-}
-"""The defaults that depend on --task, for the fields left None when not given. The SFT
-ones make the default `gradaccum train --task sft` (the built-in byte-level tiny GPT on the
-built-in instruction set) learn the tasks in about 3 minutes on 2 CPU cores."""
-DEFAULT_EXAMPLES_PER_STEP = 32
-"""--task sft: examples per optimizer step when neither --examples-per-step nor
---tokens-per-step is given."""
+from gradaccum.utils.errors import BadInput, flag_name
 
 
 def check_task(config) -> None:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import BinaryIO
 
-from .errors import DiskFull
+from gradaccum.utils.errors import DiskFull
 
 NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 """The errors of a write that found no room: no space left on the device, the disk quota

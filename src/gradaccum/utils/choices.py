@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .errors import BadInput
+from gradaccum.utils.errors import BadInput
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 """Training precisions: fp32; bf16 or fp16 autocast (or 16-bit parameters with fp32
@@ -20,7 +20,7 @@ vocabulary and sequence length come from the data."""
 
 MOE_BALANCES = ("micro", "global", "global-previous")
 """How a mixture of experts' load-balancing loss is balanced under accumulation
-(`gradaccum.models.balance`): "micro", each micro-batch's own loss weighted by its share of
+(`gradaccum.moe.balance`): "micro", each micro-batch's own loss weighted by its share of
 the window's routed tokens (what a model computes per forward); "global", the token fractions
 f of the whole window over all ranks from a routing pass before its backward passes (the big
 batch's loss and gradient, exactly); "global-previous", the previous window's f (no extra
@@ -32,7 +32,7 @@ TASKS = ("pretrain", "sft")
 examples."""
 
 PACKINGS = ("none", "window", "padding-free")
-"""--packing: how a window's examples become micro-batches (`gradaccum.data.packing`): runs of
+"""--packing: how a window's examples become micro-batches (`gradaccum.data.sft.packing`): runs of
 --micro-batch examples padded to their longest; micro-batches by a token budget
 (--micro-batch-tokens), each padded to its own longest; or rows of concatenated examples with
 attention kept within each example (document masking). All three give the same gradient."""

@@ -10,6 +10,16 @@
   whole batch (`gradaccum.testing` re-exports them).
 """
 
-from .check import VerifyReport, verify
+
+from gradaccum.utils.lazy import lazy_exports
+
+# imported on first use: the package's settings module loads without torch
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        "VerifyReport": "check",
+        "verify": "check",
+    },
+)
 
 __all__ = ["VerifyReport", "verify"]

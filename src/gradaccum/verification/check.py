@@ -22,15 +22,15 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..engine.precision import is_low_precision
-from ..models.loss import IGNORE_INDEX
-from ..models.optimizer import adamw
-from ..utils.choices import PRECISIONS
-from ..utils.errors import BadInput
-from ..utils.jsonable import finite
-from .lint import Finding, lint, list_names, quiet_rng
-from .moe_check import MoEReport, check_mode, moe_check, moe_finding
-from .reference import (
+from gradaccum.engine.precision import is_low_precision
+from gradaccum.models.loss import IGNORE_INDEX
+from gradaccum.models.optimizer import adamw
+from gradaccum.utils.choices import PRECISIONS
+from gradaccum.utils.errors import BadInput
+from gradaccum.utils.jsonable import finite
+from gradaccum.verification.lint import Finding, lint, list_names, quiet_rng
+from gradaccum.verification.moe_check import MoEReport, check_mode, moe_check, moe_finding
+from gradaccum.verification.reference import (
     Grads,
     Reference,
     big_batch_reference,

@@ -31,15 +31,15 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..engine.accumulator import Accumulator
-from ..models.balance import Balance
-from ..models.checkpointing import outer_lists
-from ..models.loss import IGNORE_INDEX, causal_lm_loss
-from ..parallel.process_group import RankInfo, aligned_windows
-from .moe_check import moe_big_batch
-from .precision_study import HEADROOM, nice_ceil
-from .ranks import run_ranks
-from .reference import (
+from gradaccum.engine.accumulator import Accumulator
+from gradaccum.models.checkpointing import outer_lists
+from gradaccum.models.loss import IGNORE_INDEX, causal_lm_loss
+from gradaccum.moe.balance import Balance
+from gradaccum.parallel.process_group import RankInfo, aligned_windows
+from gradaccum.verification.moe_check import moe_big_batch
+from gradaccum.verification.precision_study import HEADROOM, nice_ceil
+from gradaccum.verification.ranks import run_ranks
+from gradaccum.verification.reference import (
     adam_ratio_bound,
     adamw,
     big_batch,
@@ -84,7 +84,7 @@ class EquivalenceSetup:
     seq_len: int = 16
     """Positions per row, in tokens (the model must read at least this many)."""
     moe_balance: str | None = None
-    """A mixture of experts' load-balancing mode (`gradaccum.models.balance.Balance`): every
+    """A mixture of experts' load-balancing mode (`gradaccum.moe.balance.Balance`): every
     window through `Balance.step`, against the big batch of cross-entropy plus the LBL
     (`moe_check.moe_big_batch`: the window's own f, or the window before's for
     "global-previous"). None: a dense model, `Accumulator.step` with `loss_fn`."""

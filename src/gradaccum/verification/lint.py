@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..models.router import moe_spec
-from .reference import Reference, cast_floats, seeded, trainable
+from gradaccum.moe.router import moe_spec
+from gradaccum.verification.reference import Reference, cast_floats, seeded, trainable
 
 # Attribute names under which modules keep a dropout probability they apply themselves
 # (attention dropout inside fused kernels reads the module's own training flag).

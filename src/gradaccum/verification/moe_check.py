@@ -1,5 +1,5 @@
 """The mixture-of-experts part of `verify`: the window's gradient of cross-entropy plus the
-load-balancing loss (LBL) through the engine and `gradaccum.models.balance.Balance`, against
+load-balancing loss (LBL) through the engine and `gradaccum.moe.balance.Balance`, against
 one big batch whose LBL uses the whole window's token fractions f and probabilities P.
 
 The reference (`moe_big_batch`) is computed here without `Balance` or `models.router`: every
@@ -24,15 +24,21 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..engine.accumulator import Accumulator
-from ..models.balance import Balance
-from ..models.gpt import GPT
-from ..models.loss import IGNORE_INDEX
-from ..models.router import moe_spec
-from ..utils.choices import MOE_BALANCES
-from ..utils.errors import BadInput
-from .lint import Finding, suspects
-from .reference import GradRecorder, Grads, concat_batches, max_rel_error, trainable
+from gradaccum.engine.accumulator import Accumulator
+from gradaccum.models.gpt import GPT
+from gradaccum.models.loss import IGNORE_INDEX
+from gradaccum.moe.balance import Balance
+from gradaccum.moe.router import moe_spec
+from gradaccum.utils.choices import MOE_BALANCES
+from gradaccum.utils.errors import BadInput
+from gradaccum.verification.lint import Finding, suspects
+from gradaccum.verification.reference import (
+    GradRecorder,
+    Grads,
+    concat_batches,
+    max_rel_error,
+    trainable,
+)
 
 BALANCE_FLAG = "--moe-balance"
 

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..utils.atomic import write_atomic
-from .lint import quiet_rng
-from .reference import (
+from gradaccum.utils.atomic import write_atomic
+from gradaccum.verification.lint import quiet_rng
+from gradaccum.verification.reference import (
     Grads,
     cast_floats,
     engine_grads,

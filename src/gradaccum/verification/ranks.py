@@ -35,8 +35,8 @@ from collections.abc import Callable
 
 import torch
 
-from ..parallel.process_group import init_distributed, teardown
-from ..utils.atomic import write_atomic
+from gradaccum.parallel.process_group import init_distributed, teardown
+from gradaccum.utils.atomic import write_atomic
 
 RANKS_PER_CORE = 4
 """Ranks per CPU core at most: gloo ranks on CPU take turns on a core; past a few each, a run

@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.accumulator import Accumulator
-from ..models.loss import IGNORE_INDEX, causal_lm_loss
-from ..models.optimizer import adamw as make_adamw
-from ..utils.errors import BadInput
+from gradaccum.engine.accumulator import Accumulator
+from gradaccum.models.loss import IGNORE_INDEX, causal_lm_loss
+from gradaccum.models.optimizer import adamw as make_adamw
+from gradaccum.utils.errors import BadInput
 
 Grads = list["torch.Tensor | None"]
 

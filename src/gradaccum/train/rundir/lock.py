@@ -1,0 +1,94 @@
+"""One run per output folder: an advisory lock (flock) on `<out>/.lock`, held while it runs.
+
+The kernel drops a flock when its process ends, however it ends, so a lock left by a crash or
+a kill is stale by construction: the file stays, but nobody holds it and the next run takes
+it. The file's text names the holder (pid, host, start time) for the message a second run
+prints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import socket
+import time
+
+from gradaccum.utils.atomic import writing
+from gradaccum.utils.errors import BadInput
+
+LOCK_FILE = ".lock"
+
+
+class RunLock:
+    """The lock of run folder `out`: `acquire()` when the run starts writing, `release()`
+    (or the process's end) when it is done."""
+
+    def __init__(self, out: str):
+        self.out = out
+        self.path = os.path.join(out, LOCK_FILE)
+        self._fd: int | None = None
+
+    def holder(self) -> str | None:
+        """Who holds the lock now, in words; None when nobody does (no file, or a stale one)."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            text = os.read(fd, 4096).decode("utf-8", "replace").strip()
+            return text or "a process that is still starting"
+        finally:
+            os.close(fd)  # closing also drops the shared lock just taken
+        return None
+
+    def acquire(self) -> None:
+        """Take the lock (creating `out`), or raise BadInput naming the run that holds it;
+        DiskFull naming the lock file when there is no room to write who holds it."""
+        made_folder, had_file = not os.path.isdir(self.out), os.path.exists(self.path)
+        with writing(self.out):
+            os.makedirs(self.out, exist_ok=True)
+        with writing(self.path):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise BadInput(
+                "--out",
+                self.out,
+                f"in use by a running run ({self.holder()}); wait for it or choose another folder",
+            ) from None
+        started = time.strftime("%Y-%m-%d %H:%M:%S")
+        text = f"pid {os.getpid()} on {socket.gethostname()}, started {started}\n".encode()
+        try:
+            with writing(self.path):
+                # Written over the old text, then cut to length: a full disk leaves the old.
+                done = 0
+                while done < len(text):  # a short write is retried: the retry says why
+                    done += os.pwrite(fd, text[done:], done)
+                os.ftruncate(fd, len(text))
+        except BaseException:
+            os.close(fd)
+            if not had_file:  # what this call made goes with it
+                os.unlink(self.path)
+                if made_folder:
+                    with contextlib.suppress(OSError):  # not empty: someone else's now
+                        os.rmdir(self.out)
+            raise
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self):
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+        return False

@@ -1,0 +1,227 @@
+"""What a run writes as it goes: metrics.jsonl (a line per window) and loss.png.
+
+Each line is flushed as written, so `tail -f metrics.jsonl` follows a run and a killed run
+keeps every line it finished. On resume the file is cut back to the lines the checkpoint had
+seen, so it ends up equal to the uninterrupted run's file, timing fields aside.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+from gradaccum.utils.atomic import append_whole, write_atomic, write_text_atomic, writing
+
+
+def _clean(value):
+    # JSON has no NaN or inf: a skipped window's grad_norm is written as null.
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class MetricsWriter:
+    """Appends one JSON object per line to `path`, each line written whole or not at all and
+    visible at once (unbuffered).
+
+    keep_lines: on resume, how many lines of an existing file to keep (the rest came after the
+    checkpoint and will be written again); None starts a new file. No room on the disk raises
+    DiskFull naming the file, which then ends with its last whole line.
+    """
+
+    def __init__(self, path: str, keep_lines: int | None = None):
+        self.path = path
+        self.lines = 0
+        if keep_lines is None:
+            with writing(path):
+                self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o666)
+            return
+        kept = read_metrics_text(path)[:keep_lines] if os.path.exists(path) else []
+        if len(kept) < keep_lines:
+            raise ValueError(
+                f"{path} holds {len(kept)} lines but the checkpoint saw {keep_lines}; "
+                "it was changed after the checkpoint"
+            )
+        write_text_atomic(path, "".join(line + "\n" for line in kept))
+        self.lines = len(kept)
+        with writing(path):
+            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+
+    def write(self, record: dict) -> None:
+        line = json.dumps({k: _clean(v) for k, v in record.items()}) + "\n"
+        append_whole(self._fd, line.encode("utf-8"), self.path)
+        self.lines += 1
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def window_record(result, seconds: float, batch, elapsed_s: float) -> dict:
+    """A window's metrics.jsonl line: `result` (the engine's StepResult) of a window that
+    took `seconds`, with the batch it trained at (a BatchState: k and micro-batch, tokens seen
+    after it) and the run's `elapsed_s`."""
+    return {
+        "step": result.step,
+        "loss": result.loss,
+        "tokens": batch.tokens,
+        "tokens_per_s": result.tokens / seconds,
+        "lr": result.lr,
+        "grad_norm": result.grad_norm,
+        "accum_steps": batch.k,
+        "micro_batch": batch.micro_batch,
+        "tokens_per_step": result.tokens,
+        "skipped": result.skipped,
+        "elapsed_s": elapsed_s,
+        **noise_fields(result),
+    }
+
+
+def noise_fields(result) -> dict:
+    """noise_scale_tokens and noise_scale_sequences of a window (`result`, a StepResult),
+    where they are finite."""
+    noise = result.noise
+    if noise is None:
+        return {}
+    fields = {
+        "noise_scale_tokens": noise.b_simple_tokens,
+        "noise_scale_sequences": noise.b_simple_sequences,
+    }
+    return {k: v for k, v in fields.items() if v is not None and math.isfinite(v)}
+
+
+def read_metrics_text(path: str) -> list[str]:
+    """The complete lines of a metrics file (a line cut short by a kill is dropped)."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    lines = text.split("\n")
+    return [line for line in lines[:-1] if line]  # the part after the last newline is partial
+
+
+def read_metrics(path: str) -> list[dict]:
+    """Every record of a metrics.jsonl file, in order."""
+    return [json.loads(line) for line in read_metrics_text(path)]
+
+
+def plot_loss(
+    records: list[dict], path: str, entropy_floor: float | None = None, title: str = ""
+) -> bool:
+    """Write loss against tokens (and eval loss, and the floor) to `path`, atomically; below
+    it a panel for each of: the noise scale where the records carry noise_scale_tokens, the
+    exact match where eval records carry it (--task sft on the built-in set), the
+    load-balancing loss and the largest expert load where they carry moe_lbl (an MoE model).
+
+    Returns False, writing nothing, when matplotlib is not installed (an optional extra);
+    raises DiskFull naming `path` when the disk has no room (the previous plot is kept).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    train = [r for r in records if r.get("loss") is not None and "eval_loss" not in r]
+    evals = [r for r in records if r.get("eval_loss") is not None]
+    noise = [r for r in train if r.get("noise_scale_tokens") is not None]
+    matches = [r for r in evals if r.get("exact_match") is not None]
+    moe = [r for r in train if r.get("moe_lbl") is not None]
+    panels = [(p, rs) for p, rs in ((_plot_noise, noise), (_plot_exact_match, matches)) if rs]
+    panels += [(_plot_moe, moe)] if moe else []
+    if panels:
+        fig, axes = plt.subplots(
+            1 + len(panels),
+            1,
+            figsize=(7, 4.2 + 2.2 * len(panels)),
+            dpi=120,
+            sharex=True,
+            height_ratios=(3,) + (2,) * len(panels),
+        )
+        ax = axes[0]
+        for lower, (paint, rows) in zip(axes[1:], panels, strict=True):
+            paint(lower, rows)
+    else:
+        fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    ax.plot([r["tokens"] for r in train], [r["loss"] for r in train], lw=1.2, label="train loss")
+    if evals:
+        ax.plot(
+            [r["tokens"] for r in evals],
+            [r["eval_loss"] for r in evals],
+            "o-",
+            ms=4,
+            lw=1,
+            label="eval loss (held out)",
+        )
+    if entropy_floor is not None:
+        ax.axhline(
+            entropy_floor, ls="--", color="k", lw=1, label=f"entropy floor {entropy_floor:.3f} nats"
+        )
+    if not panels:
+        ax.set_xlabel("tokens")
+    ax.set_ylabel("loss (nats per token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    try:
+        fig.tight_layout()
+        write_atomic(path, lambda f: fig.savefig(f, format="png"))  # no room: DiskFull
+    finally:
+        plt.close(fig)
+    return True
+
+
+def _plot_noise(ax, records: list[dict]) -> None:
+    """The gradient noise scale (critical batch, tokens) against tokens trained on."""
+    ax.plot(
+        [r["tokens"] for r in records],
+        [r["noise_scale_tokens"] for r in records],
+        lw=1.2,
+        color="tab:green",
+        label="noise scale (critical batch)",
+    )
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("tokens per step")
+    ax.grid(alpha=0.3)
+    ax.legend()
+
+
+def _plot_exact_match(ax, records: list[dict]) -> None:
+    """Held-out exact match (share of prompts answered exactly) against tokens trained on."""
+    ax.plot(
+        [r["tokens"] for r in records],
+        [r["exact_match"] for r in records],
+        "o-",
+        ms=4,
+        lw=1.2,
+        color="tab:purple",
+        label="exact match (held out, greedy)",
+    )
+    ax.set_xlabel("tokens (counted: the loss's targets)")
+    ax.set_ylabel("exact match")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend()
+
+
+def _plot_moe(ax, records: list[dict]) -> None:
+    """A mixture of experts' load-balancing loss (left axis) and its largest expert load,
+    max over mean token fraction over the MoE layers (right axis, 1 when balanced)."""
+    tokens = [r["tokens"] for r in records]
+    ax.plot(tokens, [r["moe_lbl"] for r in records], lw=1.2, color="tab:red", label="LBL")
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("load-balancing loss")
+    ax.grid(alpha=0.3)
+    right = ax.twinx()
+    loads = [r.get("moe_load_max") for r in records]
+    right.plot(tokens, loads, lw=1, color="tab:blue", label="max expert load")
+    right.set_ylabel("max expert load (x mean)")
+    lines = ax.get_lines() + right.get_lines()
+    ax.legend(lines, [line.get_label() for line in lines])

@@ -1,0 +1,266 @@
+"""What a run writes in --out as it goes, and the words for what is left there.
+
+The folder's lock, config.yaml, metrics.jsonl and (with --tensorboard) TensorBoard's event
+file are opened at the start; a record goes to both as it comes; checkpoints are written
+between windows. No room on the disk is one line every time: at the start a new run leaves
+nothing behind and a resume leaves the folder as it was (RunFailed); for metrics.jsonl the
+run stops (it would not resume exactly without it) naming the checkpoint still there; for
+TensorBoard that is turned off and the run goes on; for a checkpoint the previous one stays
+and the run goes on.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+from gradaccum.models.export import export_hf_model
+from gradaccum.parallel import collectives
+from gradaccum.parallel.process_group import RankInfo
+from gradaccum.settings.files import to_yaml
+from gradaccum.train import adapters, checks
+from gradaccum.train.config import TrainConfig
+from gradaccum.train.rundir import checkpoint
+from gradaccum.train.rundir.lock import RunLock
+from gradaccum.train.rundir.metrics import MetricsWriter
+from gradaccum.train.rundir.settings import SETTINGS_FILE
+from gradaccum.train.rundir.tensorboard import TensorBoardWriter
+from gradaccum.utils.atomic import write_text_atomic
+from gradaccum.utils.errors import BadInput, DiskFull, RunFailed, first_line
+
+HF_EXPORT = "hf"
+"""The folder under --out of a finished run's Hugging Face model (`Outputs.export_hf`)."""
+
+
+class Outputs:
+    """--out of one run. `resumed_at`: the step of the checkpoint a resume starts from (None
+    for a new run); `metrics_lines`: the metrics.jsonl lines that checkpoint saw."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        rank_info: RankInfo,
+        resumed_at: int | None = None,
+        metrics_lines: int | None = None,
+    ):
+        self.config, self.rank_info = config, rank_info
+        self.is_main = rank_info.rank == 0
+        self.resumed_at, self._metrics_lines = resumed_at, metrics_lines
+        self.lock = RunLock(config.out)
+        self.metrics: MetricsWriter | None = None
+        self.tensorboard: TensorBoardWriter | None = None  # on rank 0 with --tensorboard
+        self.saved_step = resumed_at
+        """The step of the newest checkpoint on disk (None before the first)."""
+        self.last_saved: int | None = None
+        """The step of the last save (written or failed): one step is saved once."""
+        self.failed_save: tuple[int, str] | None = None  # the last save that failed, and why
+        self.not_written: dict[str, str] = {}  # file -> why, for the closing line
+
+    @classmethod
+    def resuming(cls, config: TrainConfig, rank_info: RankInfo, ckpt) -> Outputs:
+        """The outputs of a run resumed from `ckpt` (a `checkpoint.Checkpoint`)."""
+        return cls(config, rank_info, ckpt.step, ckpt.trainer_state["metrics_lines"])
+
+    # ---- open, close -------------------------------------------------------------------
+
+    def open(self, step: int) -> None:
+        """Take the folder's lock, write config.yaml, open metrics.jsonl and TensorBoard's
+        file, before training from optimizer step `step`. No room on the disk for any of it:
+        RunFailed in one line, and a new run's start leaves nothing."""
+        self.last_saved = step
+        new = self.resumed_at is None
+        # A new run's start that meets a full disk leaves --out as it was: what it made goes.
+        undo = checks.undo_start(self.config.out) if new and self.is_main else None
+        try:
+            self._take_lock()
+            if self.is_main:
+                self._open_files(step)
+        except DiskFull as err:
+            self.lock.release()
+            if undo is not None:
+                undo()
+            if not new:
+                raise RunFailed(
+                    f"{err}; the run did not resume, {self.config.out} is as it was"
+                ) from None
+            raise RunFailed(f"{err}; the run did not start and left nothing behind") from None
+
+    def _take_lock(self) -> None:
+        failed = None
+        if self.is_main:
+            try:
+                self.lock.acquire()
+            except (BadInput, DiskFull) as err:
+                failed = err
+        # Every rank leaves with the same error, or none of them waits on the others.
+        if collectives.max_over_ranks(int(failed is not None)):
+            raise failed or BadInput("--out", self.config.out, "in use by a running run")
+
+    def _open_files(self, step: int) -> None:
+        """config.yaml, metrics.jsonl and, with --tensorboard, its event file."""
+        config = self.config
+        header = "gradaccum train settings as chosen; gradaccum train --config this-file"
+        write_text_atomic(os.path.join(config.out, SETTINGS_FILE), to_yaml(config.sections(), header))
+        path = os.path.join(config.out, "metrics.jsonl")
+        self.metrics = MetricsWriter(path, self._metrics_lines)
+        if config.tensorboard:
+            # Events past the checkpoint's step came after it and will be written again.
+            purge = step + 1 if self.resumed_at is not None else None
+            self.tensorboard = TensorBoardWriter(config.out, purge_step=purge)
+
+    def close_tensorboard(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+            self.tensorboard = None
+
+    def abandon(self) -> None:
+        """On the way out of a run that did not finish: the lock released, metrics closed."""
+        self.lock.release()
+        if self.metrics is not None:
+            self.metrics.close()
+
+    # ---- as the run goes ---------------------------------------------------------------
+
+    def write(self, record: dict, note: Callable[[str], None]) -> None:
+        """One metrics record into metrics.jsonl and, with --tensorboard, TensorBoard. No
+        room for metrics.jsonl stops the run (RunFailed naming the checkpoint still there: a
+        run without its metrics would not resume exactly); no room for TensorBoard's file
+        turns TensorBoard off, said in one line through `note`, and the run goes on."""
+        try:
+            self.metrics.write(record)  # whole lines only: the file ends at the last whole one
+        except DiskFull as err:
+            raise RunFailed(
+                f"{err} at step {record['step']}; the run stopped, {self.kept('free space and ')}"
+            ) from None
+        if self.tensorboard is not None:
+            try:
+                self.tensorboard.write(record)
+            except DiskFull as err:
+                self.close_tensorboard()
+                self.not_written["tensorboard/"] = f"past step {record['step'] - 1}: {err.reason}"
+                note(
+                    f"{err}; TensorBoard is off from step {record['step']}, "
+                    "metrics.jsonl goes on holding every field"
+                )
+
+    def save(
+        self,
+        step: int,
+        contents: Callable[[], tuple[dict, dict]],
+        model_config: dict,
+        note: Callable[[str], None],
+    ) -> None:
+        """A checkpoint at `step` of (model state_dict, trainer state) = `contents()`,
+        unless one of it exists. A failed write (a full disk) leaves the previous checkpoint
+        and is said in one line through `note`; training goes on. A second Ctrl-C during the
+        write leaves the previous one too, nothing half-written, and says so in the
+        KeyboardInterrupt's text."""
+        if step == self.last_saved:
+            return
+        if self.is_main:
+            try:
+                model_state, trainer_state = contents()
+                model_state = adapters.checkpoint_state(model_state, model_config)  # LoRA
+                checkpoint.save(
+                    self.config.out,
+                    step,
+                    model_state,
+                    model_config,
+                    trainer_state,
+                    run_config=self.config.to_dict(),
+                    keep=self.config.keep_checkpoints,
+                )
+            except KeyboardInterrupt:
+                raise self._interrupted_save(step) from None
+            except (OSError, DiskFull) as err:
+                why = err.reason if isinstance(err, DiskFull) else err.strerror or first_line(err)
+                self.failed_save = (step, why)
+                note(f"checkpoint at step {step} not written ({why}); {self._older()}")
+            else:
+                self.saved_step = step
+        else:
+            self.saved_step = step  # rank 0 writes it; the others cannot tell
+        if self.rank_info.world_size > 1:
+            dist.barrier()
+        self.last_saved = step
+
+    def _interrupted_save(self, step: int) -> KeyboardInterrupt:
+        """A Ctrl-C during the save of `step`: made current before it landed (pruning the
+        older ones), or not made at all."""
+        root = os.path.join(self.config.out, checkpoint.CHECKPOINTS)
+        if checkpoint.read_latest_name(root) == f"step-{step:08d}":
+            self.saved_step = step
+            return KeyboardInterrupt(f"after the checkpoint at step {step}; {self.kept()}")
+        return KeyboardInterrupt(
+            f"during the checkpoint at step {step}, which was not written; {self.kept()}"
+        )
+
+    def export(self, model_state: dict, model_config: dict, at: str) -> list[str]:
+        """A finished run's model.pt and config.json; the files written. No room ends the
+        run in one line (RunFailed) naming the checkpoint still there; `at`: where the run
+        stands, "step 40/40"."""
+        try:
+            checkpoint.save_model(self.config.out, model_state, model_config)
+        except DiskFull as err:
+            raise RunFailed(
+                f"{err}; the run trained to {at} but its model is not exported, "
+                f"{self.kept('free space and ')}"
+            ) from None
+        return ["model.pt", "config.json"]
+
+    def export_hf(self, model, tokenizer_dir: str | None, at: str) -> list[str]:
+        """A finished run's Hugging Face model in --out/hf as `save_pretrained` writes it,
+        with the tokenizer's files of `tokenizer_dir` (`models.export.export_hf_model`), so
+        that transformers' `from_pretrained` loads both; the files written. No room ends the
+        run in one line (RunFailed) as for `export`."""
+        try:
+            export_hf_model(model, os.path.join(self.config.out, HF_EXPORT), tokenizer_dir)
+        except DiskFull as err:
+            raise RunFailed(
+                f"{err}; the run trained to {at} but its model is not exported to "
+                f"{HF_EXPORT}/, {self.kept('free space and ')}"
+            ) from None
+        return [f"{HF_EXPORT}/"]
+
+    def export_lora(self, model, tokenizer, at: str) -> list[str]:
+        """A finished LoRA run's adapter folder (and with --merge-lora the merged model),
+        `adapters.export`; the folders written. No room ends the run in one line (RunFailed)
+        as for `export`."""
+        try:
+            return adapters.export(model, self.config, tokenizer)
+        except DiskFull as err:
+            raise RunFailed(
+                f"{err}; the run trained to {at} but its adapters are not all exported, "
+                f"{self.kept('free space and ')}"
+            ) from None
+
+    def export_model(self, model, model_info, tokenizer_dir: str | None, at: str) -> list[str]:
+        """A finished run's model (unwrapped): LoRA's adapter folder (`export_lora`), or
+        model.pt (`export`) and for a Hugging Face model also --out/hf (`export_hf`)."""
+        if adapters.record_of(model_info) is not None:
+            return self.export_lora(model, tokenizer_dir, at)
+        files = self.export(model.state_dict(), model_info.config, at)
+        if model_info.kind == "hf":  # also as transformers loads it
+            files += self.export_hf(model, tokenizer_dir, at)
+        return files
+
+    # ---- what is left ------------------------------------------------------------------
+
+    def kept(self, fix: str = "") -> str:
+        """The checkpoint a run that cannot go on leaves, and the command to go on from it."""
+        out = self.config.out
+        if self.saved_step is None:
+            return f"no checkpoint was written yet: {fix}start again with --out {out}"
+        return (
+            f"the checkpoint at step {self.saved_step} is still there: {fix}continue with: "
+            f"gradaccum train --resume --out {out}"
+        )
+
+    def _older(self) -> str:
+        root = os.path.join(self.config.out, checkpoint.CHECKPOINTS)
+        if self.saved_step is None:
+            return f"none is in {root} yet"
+        path = os.path.join(root, f"step-{self.saved_step:08d}")
+        return f"the one at step {self.saved_step} is still there ({path})"

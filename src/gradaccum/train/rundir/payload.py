@@ -1,0 +1,95 @@
+"""trainer.pt: everything but the weights that a run needs to continue exactly, and how a
+resume puts it back.
+
+Each piece saves and loads itself (`state_dict` / `load_state_dict`): the optimizer, the LR
+scheduler, the accumulator (loss scaler, noise-scale averages), the data position, the
+batch as trained (`BatchState`: the plan, the micro-batch and k now, the batch schedule's
+growth, tokens seen), the LR schedule, the run's progress (`RunState`: seconds, first loss)
+and a mixture of experts' balance (its mode and the previous window's f, `train.moe`); with
+them the RNG states, the settings and how many metrics.jsonl lines the checkpoint saw. Only
+tensors and plain containers, so it loads with torch.load(weights_only=True).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+from gradaccum.train.moe import STATE_KEY as MOE_STATE
+from gradaccum.train.rundir import checkpoint
+from gradaccum.utils.errors import BadInput
+
+if TYPE_CHECKING:
+    from gradaccum.train.loop import Run
+
+
+@dataclass
+class RunState:
+    """What a run has done so far besides its batch (`BatchState.tokens`), saved with each
+    checkpoint."""
+
+    elapsed_s: float = 0.0
+    """Seconds since the loop started, over every resume."""
+    train_s: float = 0.0
+    """Seconds inside training windows only (not eval, saving or start-up)."""
+    initial_loss: float | None = None
+    """Loss of the run's first window, nats per token."""
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        loaded = RunState(**state)  # an unknown field refused, a missing one at its default
+        for name, value in asdict(loaded).items():
+            setattr(self, name, value)
+
+
+def trainer_state(run: Run) -> dict:
+    """The payload of a checkpoint of `run` after its `acc.steps` optimizer steps."""
+    batch = run.batch.state_dict()
+    payload = {
+        "step": run.acc.steps,
+        "optimizer": run.optimizer.state_dict(),
+        "scheduler": run.scheduler.state_dict(),
+        "accumulator": run.acc.state_dict(),
+        "data": run.batches.state_dict(),
+        "data_fingerprint": run.data.info.fingerprint,
+        "rng": checkpoint.rng_state(),
+        "config": run.config.to_dict(),
+        "plan": batch["plan"],
+        "schedule": run.schedule.state_dict(),
+        "batching": batch["batching"],
+        "metrics_lines": run.outputs.metrics.lines,
+        "progress": {"tokens": batch["tokens"], **run.state.state_dict()},
+    }
+    if run.moe is not None:
+        payload[MOE_STATE] = run.moe.state_dict()
+    return payload
+
+
+def restore(run: Run, payload: dict) -> list[str]:
+    """Put `payload` back into `run`, built for it, with the settings of `run.config` where a
+    resume changed them on purpose (lr, weight decay: `resume.applied_changes`); the lines
+    that say what else changed (a mixture of experts' balance mode)."""
+    config, optimizer, scheduler = run.config, run.optimizer, run.scheduler
+    optimizer.load_state_dict(payload["optimizer"])
+    scheduler.load_state_dict(payload["scheduler"])
+    # The optimizer's saved hyperparameters give way to the settings as (re)given.
+    scheduler.base_lrs = [config.lr] * len(optimizer.param_groups)
+    for group in optimizer.param_groups:
+        group["initial_lr"] = config.lr
+        group["lr"] = config.lr * run.schedule(scheduler.last_epoch)
+    optimizer.param_groups[0]["weight_decay"] = config.weight_decay
+    run.acc.load_state_dict(payload["accumulator"])
+    try:
+        run.batches.load_state_dict(payload["data"], other_data=config.allow_data_change)
+    except ValueError as err:
+        raise BadInput("--resume", config.out, str(err)) from None
+    checkpoint.set_rng_state(payload["rng"])
+    progress = dict(payload["progress"])
+    batch = {"tokens": progress.pop("tokens"), "batching": payload.get("batching")}
+    run.batch.load_state_dict(batch, run.acc.steps)
+    run.state.load_state_dict(progress)
+    if run.moe is None:
+        return []
+    return run.moe.load_state_dict(payload, run.acc.steps)  # the previous window's f

@@ -1,0 +1,179 @@
+"""The output of `gradaccum verify`: the table for people, and the dict --json prints (the
+engine's report, the rows of --world-size, the SFT window's counts, the precision study)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+
+from gradaccum.verification.check import TOLERANCE_SOURCE, WRONG_WAYS
+from gradaccum.verification.precision_study import StudyPoint, study_table
+from gradaccum.verification.sft import SFTWindow
+
+W = 66  # width of the label column of the tables
+
+
+# ---- --json ---------------------------------------------------------------------------------
+
+
+def report_json(
+    report,
+    passed: bool,
+    world: list[dict],
+    task: str,
+    window: SFTWindow | None,
+    study: dict | None,
+) -> dict:
+    """What --json prints: the engine's report, the verdict over it and the ranks, the rows of
+    --world-size (`world_row`), the SFT window's counts and the precision study."""
+    out = {**report.to_dict(), "passed": passed, "world": world, "task": task}
+    if window is not None:
+        out["sft_window"] = window_dict(window)
+    if study is not None:
+        out.update(study)
+    return out
+
+
+def world_row(report) -> dict:
+    """One wrapper's line of the --world-size check, as --json prints it."""
+    return {
+        "wrapper": report.setup.wrapper,
+        "world_size": report.setup.world_size,
+        "passed": report.passed,
+        "grad_rel_err": report.grad_rel_error,
+        "loss_rel_err": report.loss_rel_error,
+        "step_err": report.step_error,
+        "tolerance": report.setup.tolerance,
+        "step_tolerance": report.step_tolerance,
+        "steps": report.steps,
+        "windows": report.windows,
+        "tokens": report.tokens,
+        "tokens_expected": report.tokens_expected,
+        "reference": report.reference,
+    }
+
+
+def window_dict(window: SFTWindow) -> dict:
+    """The SFT window's counts for --json (no tensors)."""
+    out = asdict(window)
+    del out["micro_batches"], out["big_batch"]
+    return out
+
+
+# ---- the table for people -------------------------------------------------------------------
+
+
+def render(
+    description: str,
+    sizes: dict,
+    report,
+    world: list[dict],
+    study: dict | None,
+    window: SFTWindow | None = None,
+) -> str:
+    """The whole human-readable output; `window`: the SFT window of --task sft."""
+    # the cross-entropy's own verdict; a mixture of experts' balance has its own row
+    verdict = "PASS" if report.max_rel_err <= report.tolerance else "FAIL"
+    first_row = "accumulated (gradaccum)" + (", cross-entropy" if report.moe else "")
+    what = (
+        f"k = {report.micro_steps} micro-batches of {sizes['micro_batch']} sequences "
+        f"(ragged, up to {sizes['seq_len']} tokens), {report.tokens:,} valid tokens"
+    )
+    if window is not None:
+        what = window.describe()
+    lines = [
+        f"gradaccum verify: {description}",
+        f"window: {what}, {report.precision}; reference: one big batch in {report.reference}",
+        "",
+        f"  {'':<{W}}{'max rel err':>12}",
+        f"  {first_row:<{W}}{report.max_rel_err:>12.2e}   {verdict}",
+        f"  tolerance {report.tolerance:g} ({TOLERANCE_SOURCE})",
+        f"  cosine min {report.cosine_min:.9f}, max abs err {report.max_abs_err:.2e}; "
+        f"after one AdamW step (lr 1e-3) max |p - p_big| {report.param_max_abs_err:.2e}",
+        "",
+        *_render_ways(report),
+        "",
+        *_render_moe(report.moe),
+        *_render_lint(report),
+        *_render_world(world),
+        *(_render_study(study) if study is not None else []),
+    ]
+    return "\n".join(lines)
+
+
+def _render_ways(report) -> list[str]:
+    lines = [f"  {'the usual mistakes, same data, same engine':<{W}}{'max rel err':>12}"]
+    for name, words in WRONG_WAYS.items():
+        err = report.wrong_ways.get(name)
+        shown = "n/a" if err is None or not math.isfinite(err) else f"{err:.2e}"
+        lines.append(f"  {words:<{W}}{shown:>12}")
+    worst = sorted(report.params, key=lambda p: -p.rel_err)[:3]
+    lines.append("  worst parameters: " + ", ".join(f"{p.name} {p.rel_err:.1e}" for p in worst))
+    return lines
+
+
+def _render_moe(moe) -> list[str]:
+    """The load-balancing lines of a mixture of experts (`VerifyReport.moe`)."""
+    if moe is None:
+        return []
+    verdict = "PASS" if moe.passed else "FAIL"
+    head = "mixture of experts: cross-entropy + load-balancing loss"
+    against = "the first window's f" if moe.mode == "global-previous" else "the whole window's f"
+    lines = [
+        f"  {head:<{W}}{'max rel err':>12}",
+        f"  {'--moe-balance ' + moe.mode:<{W}}{moe.grad_rel_err:>12.2e}   {verdict}",
+        f"  {moe.layers} MoE layers, {moe.n_expert} experts, top-{moe.top_k}, coef {moe.coef:g}; "
+        f"against one {moe.reference} big batch whose loss takes {against}",
+        f"  and its own P over its {moe.tokens:,} tokens; the loss trained {moe.aux_loss:.6g}, "
+        f"the window's {moe.lbl:.6g}",
+    ]
+    if moe.mode != "micro":
+        label = "the loss computed per micro-batch (--moe-balance micro)"
+        lines.append(f"  {label:<{W}}{moe.micro_rel_err:>12.2e}")
+    if moe.stale_rel_err is not None:
+        label = "the second window against its own f (one window stale in f)"
+        lines.append(f"  {label:<{W}}{moe.stale_rel_err:>12.2e}")
+    return [*lines, ""]
+
+
+def _render_lint(report) -> list[str]:
+    if not report.lint and not report.notes:
+        return ["  lint: nothing breaks equivalence in this model"]
+    lines = ["  lint:"]
+    for f in report.lint:
+        lines += [f"  [{f.severity}] {f.module}: {f.problem}", f"      fix: {f.fix}"]
+    lines += [f"  note: {note}" for note in report.notes]
+    return lines
+
+
+def _render_world(world: list[dict]) -> list[str]:
+    if not world:
+        return []
+    first = world[0]
+    title = f"{first['world_size']} gloo ranks on CPU against one process, per window"
+    lines = ["", f"  {title:<{W - 12}}{'grad rel err':>12}{'step err':>12}"]
+    for w in world:
+        verdict = "PASS" if w["passed"] else "FAIL"
+        label = f"{w['wrapper']} ({w['steps']} steps, {w['windows']} windows)"
+        lines.append(
+            f"  {label:<{W - 12}}{w['grad_rel_err']:>12.2e}{w['step_err']:>12.2e}   {verdict}"
+        )
+    lines += [
+        f"  each window from the ranks' parameters: gradient and loss within {first['tolerance']:g}"
+        f" of a {first['reference']} big batch;",
+        f"  its AdamW step within {first['step_tolerance']:g} x (|p| + lr) of a float64 step with "
+        "that gradient (fp32 rounding, x 4)",
+    ]
+    return lines
+
+
+def _render_study(study: dict) -> list[str]:
+    points = [StudyPoint(**p) for p in study["precision_study"]]
+    derived = ", ".join(f"{k} {v:g}" for k, v in study["tolerances_derived"].items())
+    applied = ", ".join(f"{k} {v:g}" for k, v in study["tolerances_applied"].items())
+    lines = ["", "  precision study: relative error of the whole gradient against float64"]
+    lines += ["  " + row for row in study_table(points).splitlines()]
+    lines.append(f"  tolerances derived on this model (largest x 4, rounded up): {derived}")
+    lines.append(f"  tolerances verify applies: {applied}")
+    lines.append(f"  plot: {study['plot'] or 'not written (matplotlib not installed)'}")
+    return lines
