@@ -79,10 +79,16 @@ def read_value(name: str, spec: Flag, value, default=None):
         return _number(flag, value, spec)
     if spec.kind == "micro" and isinstance(value, str) and value.strip().lower() == "auto":
         return "auto"
-    count = _whole(flag, value)
-    if count < spec.least:
+    negative = not isinstance(value, bool) and str(value).strip().startswith("-")
+    count = -_whole(flag, str(value).strip()[1:]) if negative else _whole(flag, value)
+    if count < spec.least:  # -3 and 0 refused in the same words where the least is 1
         more = " or auto" if spec.kind == "micro" else ""
-        raise BadInput(flag, count, f"must be a whole number >= {spec.least}{more}")
+        why = (
+            "must not be negative"
+            if spec.least == 0
+            else f"must be a whole number >= {spec.least}{more}"
+        )
+        raise BadInput(flag, str(value).strip() if negative else count, why)
     if spec.most is not None and count >= spec.most:
         raise BadInput(
             flag,

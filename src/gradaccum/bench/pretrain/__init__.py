@@ -1,0 +1,2 @@
+"""`gradaccum bench` on pretraining rows: config, data, loops (the contestants), measure,
+report."""
