@@ -30,10 +30,11 @@ def one_line(call) -> str:
         ('{"prompt": "x", "completion": ', "malformed JSON"),
         ("[1, 2]", "not a JSON object but a list"),
         ({"prompt": "x"}, "field 'completion': missing"),
-        ({"prompt": "x", "completion": 5}, "field 'completion': expected a string, got a int"),
+        ({"prompt": "x", "completion": 5}, "field 'completion': expected a string, got an integer"),
+        ({"prompt": "x", "completion": 0.5}, "field 'completion': expected a string, got a number"),
         ({"prompt": "x", "completion": None}, "field 'completion': null"),
         ({"prompt": ["x"], "completion": "y"}, "field 'prompt[0]': expected an object"),
-        ({"prompt": 3, "completion": "y"}, "field 'prompt': expected a string, got a int"),
+        ({"prompt": 3, "completion": "y"}, "field 'prompt': expected a string, got an integer"),
         ({"prompt": "x", "completion": ""}, "field 'completion': empty"),
     ],
 )
@@ -110,6 +111,15 @@ def test_whole_file_problems(tmp_path, byte_tok, content, why):
     path = tmp_path / "sft.jsonl"
     path.write_text(content)
     assert why in one_line(lambda: load_sft(str(path), byte_tok, seq_len=64))
+
+
+def test_a_first_line_that_is_not_utf8_is_named_as_such(tmp_path, byte_tok):
+    """Before: "no row is a JSON object, so its format cannot be told"."""
+    path = tmp_path / "sft.jsonl"
+    path.write_bytes(b'{"prompt": "caf\xe9", "completion": "x"}\n')
+    assert one_line(lambda: load_sft(str(path), byte_tok, seq_len=64)).startswith(
+        f"--data {path} line 1: not UTF-8 text"
+    )
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gradaccum.data.sft.load import load_sft, quantiles
+from gradaccum.data.sft.rows import alpaca_prompt
+from gradaccum.utils.errors import BadInput
 
 
 def rows_of(prompt_lens, completion_lens):
@@ -76,3 +78,25 @@ def test_shortest_seq_len(write_jsonl, byte_tok, seq_len):
     data = load_sft(write_jsonl(rows_of([1], [5])), byte_tok, seq_len=seq_len)
     assert data.examples[0].input_ids.tolist() == list(b"pccccc")[:seq_len]
     assert data.examples[0].num_targets == seq_len - 1
+
+
+@pytest.mark.parametrize("drop_long", [False, True])
+def test_prompts_alone_longer_than_seq_len_say_so_and_the_seq_len_that_keeps_them(
+    write_jsonl, byte_tok, drop_long
+):
+    """Before: "no example left to train on (0 bad rows skipped, 3 longer than --seq-len 128
+    dropped)", not saying the Alpaca template's prompt alone is longer than that."""
+    instructions = ["Sort the letters.", "Reverse the word.", "Count the vowels in the word."]
+    rows = [{"instruction": i, "input": "", "output": "ok"} for i in instructions]
+    # byte tokens: the prompt is the template's bytes, the completion "ok" + EOS
+    prompts = sorted(len(alpaca_prompt(i).encode()) for i in instructions)
+    assert prompts[0] > 128
+    keeps = prompts[-1] + 3 if drop_long else prompts[-1] + 1
+    with pytest.raises(BadInput) as err:
+        load_sft(write_jsonl(rows), byte_tok, seq_len=128, drop_long=drop_long)
+    assert str(err.value).endswith(
+        "the Alpaca template's prompt alone is longer than --seq-len 128 in all 3 examples "
+        f"(median {prompts[1]}, max {prompts[-1]} tokens); --seq-len {keeps} or more keeps them"
+    )
+    data = load_sft(write_jsonl(rows, name="b.jsonl"), byte_tok, seq_len=keeps)
+    assert len(data.examples) == 3  # every one kept (the longest cut to one target)

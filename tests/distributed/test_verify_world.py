@@ -12,6 +12,7 @@ import pytest
 
 from gradaccum.cli import build_parser, main
 from gradaccum.cli.verify import parse_sizes
+from gradaccum.settings.command import namespace
 from gradaccum.testing import check_equivalences, rank_batches
 from gradaccum.verification.cases import build_case, world_setups
 from gradaccum.verification.check import TOLERANCES
@@ -58,8 +59,9 @@ def _cli_setups(world: int):
     """What `gradaccum verify --world-size WORLD --seed S` checks, for every seed in SEEDS."""
     setups, case = [], None
     for seed in SEEDS:
-        args = build_parser().parse_args(
-            ["verify", "--world-size", str(world), "--seed", str(seed)]
+        # read as `verify_run.run` reads them: the defaults filled in
+        args = namespace(
+            build_parser().parse_args(["verify", "--world-size", str(world), "--seed", str(seed)])
         )
         sizes = parse_sizes(args)
         case = build_case(args, sizes)

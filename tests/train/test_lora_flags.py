@@ -50,15 +50,12 @@ def tiny_adapters(rank: int) -> int:
     "extra, line",
     [
         (["--lora-rank", "0"], "--lora-rank 0: must be a whole number >= 1"),
-        (["--lora-rank", "-3"], "--lora-rank -3: must not be negative"),
+        (["--lora-rank", "-3"], "--lora-rank -3: must be a whole number >= 1"),  # as 0
         (["--lora-rank", "4", "--lora-alpha", "0"], "--lora-alpha 0: must be a positive number"),
         (["--lora-rank", "4", "--lora-alpha", "-2"], "--lora-alpha -2: must be a positive number"),
         (["--lora-rank", "4", "--lora-dropout", "1"], "--lora-dropout 1: must be in [0, 1)"),
         (["--lora-rank", "4", "--lora-dropout", "1.5"], "--lora-dropout 1.5: must be in [0, 1)"),
-        (
-            ["--lora-rank", "4", "--lora-dropout", "-0.1"],
-            "--lora-dropout -0.1: must be a number >= 0",
-        ),
+        (["--lora-rank", "4", "--lora-dropout", "-0.1"], "--lora-dropout -0.1: must be in [0, 1)"),
         (["--lora-alpha", "8"], "--lora-alpha 8: needs --lora-rank"),
         (["--lora-dropout", "0.1"], "--lora-dropout 0.1: needs --lora-rank"),
         (["--lora-targets", "c_fc"], "--lora-targets c_fc: needs --lora-rank"),

@@ -121,6 +121,22 @@ def test_a_longer_run_keeps_the_trained_schedule_and_stretches_the_rest(
     assert lrs[5] < lrs[4]
 
 
+def test_a_resume_prints_a_changed_micro_batch_and_nothing_when_unchanged(
+    tmp_path, four_of_six, capsys
+):
+    out = copy_of(four_of_six, tmp_path)
+    capsys.readouterr()
+    assert main(["train", "--resume", "--out", str(out), "--micro-batch", "1"]) == 0
+    printed = capsys.readouterr().out
+    # 2 x k 2 = 1 x k 4: the same 64 tokens per step (2 x 16 x 2), laid out otherwise
+    assert "resume: micro-batch from step 4: micro-batch 2 x k 2 x 1 -> 1 x k 4 x 1" in printed
+    plain = copy_of(four_of_six, tmp_path / "plain")
+    assert main(["train", "--resume", "--out", str(plain)]) == 0
+    assert "micro-batch" not in "".join(
+        line for line in capsys.readouterr().out.splitlines() if line.startswith("resume:")
+    )
+
+
 def test_the_model_comes_from_the_checkpoint_not_from_an_edited_config(tmp_path, data, capsys):
     transformers = pytest.importorskip("transformers")
     config_dir = tmp_path / "cfg"

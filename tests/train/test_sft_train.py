@@ -98,6 +98,18 @@ def test_tokens_per_step_fills_the_window_up_to_the_budget(tmp_path, ragged):
         assert line["counted_tokens"] == line["tokens_per_step"]
 
 
+def test_a_budget_below_one_example_is_said_at_the_start(tmp_path, capsys):
+    """Before: --tokens-per-step 3 ran silently at 5 counted tokens per step."""
+    rows = [{"prompt": f"copy: {c}bcd\n", "completion": f"{c}bcd"} for c in "abcdefgh"]
+    data = _jsonl(tmp_path / "same.jsonl", rows)  # each: 4 completion bytes + EOS = 5 targets
+    train(_config(tmp_path / "small", data, tokens_per_step=3, micro_batch=2))
+    (warning,) = [line for line in capsys.readouterr().out.splitlines() if "warning" in line]
+    assert warning.startswith("warning: --tokens-per-step 3 is below")
+    assert "the smallest example holds 5" in warning
+    train(_config(tmp_path / "enough", data, tokens_per_step=5, micro_batch=2))
+    assert "warning" not in capsys.readouterr().out
+
+
 def test_resume_is_bit_for_bit(tmp_path, ragged):
     def run(out, **kw):
         return train(
@@ -117,6 +129,29 @@ def test_resume_is_bit_for_bit(tmp_path, ragged):
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+def _resume_lines(capsys) -> list[str]:
+    return [line for line in capsys.readouterr().out.splitlines() if line.startswith("resume:")]
+
+
+def test_resume_prints_only_what_changed(tmp_path, ragged, capsys):
+    """Each window's examples set its k, so the checkpoint's k (its last window's) differing
+    from the first window's is no change; before the fix every resume printed one."""
+    out = tmp_path / "run"
+    # the default --packing cuts ragged windows into different numbers of micro-batches
+    train(_config(out, ragged, examples_per_step=6, micro_batch=2, max_steps=2, save_every=1))
+    # the checkpoint's k (its last window's, 2) is not the first window's plan (1): the
+    # case that printed a change
+    assert _window_lines(out)[-1]["accum_steps"] == 2
+    assert not (out / ".lock").exists()  # a finished run leaves no lock behind
+    capsys.readouterr()
+    assert main(["train", "--resume", "--out", str(out), "--max-steps", "3"]) == 0
+    assert [line for line in _resume_lines(capsys) if "micro-batch" in line] == []
+    again = ["train", "--resume", "--out", str(out), "--max-steps", "4", "--micro-batch", "1"]
+    assert main(again) == 0
+    want = "resume: micro-batch 2 x 1 device(s) -> 1 x 1 from step 3: k follows each window's"
+    assert any(line.startswith(want) for line in _resume_lines(capsys))
 
 
 def _settings(out) -> dict:

@@ -60,6 +60,11 @@ COMMAND = Command(
     run="verify_run",
     epilog=_EPILOG,
     defaults={"micro_batch": 4, "packing": "none", "seq_len": 64},
+    notes={
+        "seq_len": f"Rows are ragged, this is the longest; at most {MAX_SEQ_LEN}: the float64 "
+        "big batch costs about the square of it, and k x micro-batch x seq-len must fit the "
+        "available memory at about 8 bytes x (18 x layers x width + 3 x vocab) per token."
+    },
 )
 
 

@@ -61,6 +61,8 @@ class Command:
     task_defaults: dict = field(default_factory=dict)
     """{task: {field: default}}: defaults that depend on --task, the first task's the
     default's default."""
+    notes: dict = field(default_factory=dict)
+    """{field: a sentence its help adds in this command}: a limit of the command's own."""
     exclusive: tuple[tuple[str, ...], ...] = ()
     """Groups of fields of which a run takes at most one: the upper layer (the command line
     over a config file) replaces the lower layer's whole group."""
@@ -80,7 +82,7 @@ class Command:
 
     def help_of(self, name: str) -> str:
         component, f = self.fields()[name]
-        doc = field_docs(component).get(name, "")
+        doc = " ".join([field_docs(component).get(name, ""), self.notes.get(name, "")]).strip()
         said = self.default_text(name, flag_of(f))
         return (doc + (f" ({said})" if said else "")).replace("%", "%%")
 

@@ -42,7 +42,8 @@ def _command(command: Command) -> str:
         flag = ", ".join(f"`{n}`" for n in [flag_name(name), *spec.aliases])
         metavar = "" if spec.kind == "bool" else f" {spec.metavar}".replace("|", "\\|")
         default = command.default_text(name, spec).removeprefix("default ").replace("|", "\\|")
-        doc = field_docs(component).get(name, "").replace("|", "\\|")
+        doc = " ".join([field_docs(component).get(name, ""), command.notes.get(name, "")])
+        doc = doc.strip().replace("|", "\\|")
         groups.setdefault(component, []).append(f"| {flag}{metavar} | {default} | {doc} |")
     for component, rows in groups.items():
         lines += [f"### {title(component)} (`{section_name(component)}:`)", ""]

@@ -90,8 +90,9 @@ class TrainConfig(*reversed(COMPONENTS)):
         if self.packing is not None and self.packing not in PACKINGS:
             raise BadInput("--packing", self.packing, f"choose one of {', '.join(PACKINGS)}")
         check_task(self)
+        given_length = self.max_tokens or self.epochs  # a length of its own: no step default
         for name, value in TASK_DEFAULTS[self.task].items():
-            if getattr(self, name) is None and not (name == "max_steps" and self.max_tokens):
+            if getattr(self, name) is None and not (name == "max_steps" and given_length):
                 setattr(self, name, value)
         if self.task == "sft" and self.examples_per_step is None and self.tokens_per_step is None:
             self.examples_per_step = DEFAULT_EXAMPLES_PER_STEP
@@ -122,6 +123,7 @@ class TrainConfig(*reversed(COMPONENTS)):
                 f"longer than the run (--max-steps {self.max_steps})",
             )
         self._check_batch_schedule()
+        self._check_epochs()
         self._check_lora()
         given = [n for n in EXCLUSIVE[1] if getattr(self, n) is not None]
         if len(given) > 1:
@@ -130,6 +132,17 @@ class TrainConfig(*reversed(COMPONENTS)):
                 getattr(self, given[1]),
                 "give only one of --model, --model-config, --init-from "
                 f"(also got {flag_name(given[0])})",
+            )
+
+    def _check_epochs(self) -> None:
+        """--epochs: a length in passes over the data, with or without --max-steps or
+        --max-tokens (the first reached ends the run); not with --batch-schedule, whose
+        length is in tokens."""
+        if self.epochs is not None and self.batch_schedule is not None:
+            raise BadInput(
+                "--epochs",
+                f"{self.epochs:g}",
+                "a --batch-schedule run's length is in tokens: give --max-tokens",
             )
 
     def _check_batch_schedule(self) -> None:
@@ -172,8 +185,8 @@ class TrainConfig(*reversed(COMPONENTS)):
     @property
     def total_tokens(self) -> int | None:
         """Tokens the run trains on: --max-tokens, or DEFAULT_MAX_TOKENS; None when
-        --max-steps sets the length instead."""
-        if self.max_steps is not None:
+        --max-steps or --epochs (without --max-tokens) sets the length instead."""
+        if self.max_steps is not None or (self.epochs is not None and self.max_tokens is None):
             return None
         return self.max_tokens or DEFAULT_MAX_TOKENS
 

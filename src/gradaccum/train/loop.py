@@ -35,6 +35,7 @@ from gradaccum.train.batch_state import BatchState
 from gradaccum.train.checks import prepare
 from gradaccum.train.config import AUTO, TrainConfig
 from gradaccum.train.console import Clock, Console, Progress, StopSignals
+from gradaccum.train.epochs import pretrain_epoch_tokens
 from gradaccum.train.evaluation import evaluate
 from gradaccum.train.evaluation import to_device as _to_device
 from gradaccum.train.recovery import OUT_OF_MEMORY, PEER_OUT_OF_MEMORY, STOP, Recovery, lost_rank
@@ -69,6 +70,14 @@ def train(config: TrainConfig, should_stop: Callable[[int], bool] | None = None)
         return Run.build(config, rank_info).train(should_stop)
     finally:
         teardown(rank_info)
+
+
+def epoch_tokens(config: TrainConfig, data) -> int | None:
+    """A pretraining run's --epochs in tokens (`epochs.pretrain_epoch_tokens`); None for SFT,
+    whose epochs `sft.plan_config` counts in windows, or without --epochs."""
+    if config.task == "sft":
+        return None
+    return pretrain_epoch_tokens(config.epochs, len(data.train), config.seq_len)
 
 
 class Run:
@@ -156,7 +165,8 @@ class Run:
             plan_config = sft.plan_config(config, data.train, rank_info.world_size, measured)
         elif micro_batch.measures(config, rank_info.world_size):
             plan_config = micro_batch.measure(config, model, data, rank_info, console.say)
-        resolved = resolve_run(config, plan_config, model_info, rank_info)
+        length = epoch_tokens(config, data)
+        resolved = resolve_run(config, plan_config, model_info, rank_info, length)
         batch = BatchState.planned(config, resolved, rank_info.world_size)
         schedule = batch.lr_schedule(config, resolved)
         outputs = Outputs(config, rank_info)
@@ -179,7 +189,8 @@ class Run:
             plan_config = sft.resume_plan_config(config, ckpt, data.train, rank_info.world_size)
         else:
             plan_config = resume.batch_config(config, ckpt, rank_info.world_size)
-        resolved = resolve_run(config, plan_config, model_info, rank_info)
+        length = epoch_tokens(config, data)
+        resolved = resolve_run(config, plan_config, model_info, rank_info, length)
         batch = BatchState.planned(config, resolved, rank_info.world_size)
         schedule, length_notes = resume.lr_schedule(config, ckpt, resolved, batch)
         notes += length_notes + resume.batch_lines(ckpt, batch)

@@ -8,7 +8,7 @@ measured) is settled here by `micro_batch.unmeasured`, see `gradaccum.train.micr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -62,14 +62,30 @@ class Resolved:
         return render_table(self.plan)
 
 
-def resolve_run(config: TrainConfig, plan_config: TrainConfig, model_info, rank_info) -> Resolved:
+def resolve_run(
+    config: TrainConfig,
+    plan_config: TrainConfig,
+    model_info,
+    rank_info,
+    epoch_tokens: int | None = None,
+) -> Resolved:
     """The plan of a run of `config` (on `rank_info`'s ranks and device) from `plan_config`
     (`config` with the batch settled); a schedule's plan is its first batch, its lr rule and
-    its phases."""
+    its phases. epoch_tokens: a pretraining run's --epochs in tokens
+    (`epochs.pretrain_epoch_tokens`), rounded up to whole steps as --max-tokens is; with
+    --max-steps or --max-tokens too, the run is the shorter."""
     schedule = None if config.batch_schedule == AUTO else config.batch_schedule
-    return resolve_plan(
-        plan_config, model_info, rank_info.world_size, rank_info.device, batch_schedule=schedule
-    )
+    world, device = rank_info.world_size, rank_info.device
+    if epoch_tokens is not None and plan_config.max_steps is None:
+        tokens = min(plan_config.max_tokens or epoch_tokens, epoch_tokens)
+        plan_config = replace(plan_config, max_tokens=tokens)
+    resolved = resolve_plan(plan_config, model_info, world, device, batch_schedule=schedule)
+    if epoch_tokens is not None and plan_config.max_steps is not None:
+        steps = -(-epoch_tokens // resolved.tokens_per_step)
+        if steps < resolved.total_steps:
+            plan_config = replace(plan_config, max_steps=steps)
+            resolved = resolve_plan(plan_config, model_info, world, device, batch_schedule=schedule)
+    return resolved
 
 
 def resolve_plan(

@@ -53,6 +53,10 @@ class RunSettings:
     """Optimizer steps to train for (or give --max-tokens)."""
     max_tokens: int | None = setting(None, least=1, default_text=f"{DEFAULT_MAX_TOKENS:,}")
     """Tokens to train on, e.g. 1.5M, rounded up to whole steps (or give --max-steps)."""
+    epochs: float | None = setting(None, "float", above=True)
+    """Passes over the training examples (SFT) or sequences (pretraining), each in a new
+    order seeded by (--seed, epoch), e.g. 2 or 0.5. With --max-steps or --max-tokens too, the
+    first reached ends the run; the plan says which."""
     seed: int = setting(0, most=2**63)
     """Seed of the model's initialisation, the built-in data and the data order."""
     out: str | None = setting(None, "path", metavar="DIR", default_text="runs/<date>-<time>")

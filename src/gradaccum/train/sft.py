@@ -45,6 +45,9 @@ from gradaccum.engine.precision import autocast_dtype
 from gradaccum.models.gpt import GPT_MODEL_TYPE
 from gradaccum.parallel import devices
 from gradaccum.train.config import TrainConfig
+from gradaccum.train.epochs import epoch_stop
+from gradaccum.train.epochs import length_line as epochs_length_line
+from gradaccum.train.settings import TASK_DEFAULTS
 from gradaccum.utils.errors import BadInput
 
 HELDOUT_FRACTION = 0.05
@@ -236,6 +239,7 @@ class SFTStream:
             seed=config.seed,
             rank=rank,
             world_size=world_size,
+            stop=stop_of(config, examples),
         )
         self.mode, self.seq_len = check_packing(config), config.seq_len
         budget = config.micro_batch_tokens or micro_batch * config.seq_len
@@ -302,9 +306,15 @@ class SFTStream:
         self.inner.load_state_dict(state)
 
 
-def _ahead(config: TrainConfig, examples: list[Example]) -> SFTBatches:
+def stop_of(config: TrainConfig, examples: list[Example]) -> int | None:
+    """Examples of the data order a run of --epochs trains on (`epochs.epoch_stop`); None
+    without --epochs."""
+    return None if config.epochs is None else epoch_stop(config.epochs, len(examples))
+
+
+def _ahead(config: TrainConfig, examples: list[Example], stop: int | None = None) -> SFTBatches:
     """A copy of the data order to read ahead in (the windows do not depend on the
-    micro-batch or the ranks)."""
+    micro-batch or the ranks), ending after `stop` examples."""
     return SFTBatches(
         examples,
         micro_batch=1,
@@ -312,21 +322,52 @@ def _ahead(config: TrainConfig, examples: list[Example]) -> SFTBatches:
         examples_per_step=config.examples_per_step,
         tokens_per_step=config.tokens_per_step,
         seed=config.seed,
+        stop=stop,
     )
 
 
+def lengths(config: TrainConfig, examples: list[Example]) -> dict[str, int]:
+    """Optimizer steps of each length the run is given, by flag: --max-steps; the windows it
+    takes the data order to hold --max-tokens counted (target) tokens; the windows of
+    --epochs (the last one cut at the epoch boundary). The run ends at the fewest."""
+    found = {} if config.max_steps is None else {"--max-steps": config.max_steps}
+    stop = stop_of(config, examples)
+    if stop is not None:
+        ahead, steps = _ahead(config, examples, stop), 0
+        while ahead.position < stop:
+            ahead.position += len(ahead.next_indices())
+            steps += 1
+        found["--epochs"] = steps
+    if config.max_tokens is not None:
+        ahead, seen, steps = _ahead(config, examples, stop), 0, 0
+        while seen < config.max_tokens and (stop is None or ahead.position < stop):
+            indices = ahead.next_indices()
+            seen += int(ahead.targets[indices].sum())
+            ahead.position += len(indices)
+            steps += 1
+        found["--max-tokens"] = steps
+    return found
+
+
 def total_steps(config: TrainConfig, examples: list[Example]) -> int:
-    """Optimizer steps of the run: --max-steps, or the windows it takes the data order to
-    hold --max-tokens counted (target) tokens."""
-    if config.max_steps is not None:
-        return config.max_steps
-    ahead, seen, steps = _ahead(config, examples), 0, 0
-    while seen < config.max_tokens:
-        indices = ahead.next_indices()
-        seen += int(ahead.targets[indices].sum())
-        ahead.position += len(indices)
-        steps += 1
-    return steps
+    """Optimizer steps of the run: the first reached of its lengths (`lengths`)."""
+    return min(lengths(config, examples).values())
+
+
+def length_line(config: TrainConfig, examples: list[Example]) -> str:
+    """The plan's line on the run's length in steps and epochs, and what ends it."""
+    found = lengths(config, examples)
+    values = {"--epochs": config.epochs, "--max-tokens": config.max_tokens}
+    given = {flag: f"{values.get(flag, config.max_steps):,}" for flag in found}
+    if config.epochs is not None:
+        given["--epochs"] = f"{config.epochs:g}"
+    default = TASK_DEFAULTS["sft"]["max_steps"]
+    if list(found) == ["--max-steps"] and config.max_steps == default:
+        given["--max-steps"] += " (the default when no --epochs, --max-steps or --max-tokens)"
+    ahead, steps = _ahead(config, examples, stop_of(config, examples)), min(found.values())
+    for _ in range(steps):
+        ahead.position += len(ahead.next_indices())
+    return epochs_length_line(found, given, len(examples), "examples", ahead.position)
 
 
 def examples_per_step(config: TrainConfig, examples: list[Example]) -> float:
@@ -451,6 +492,21 @@ def plan_lines(
         f"{sum(targets) / len(targets):,.0f} counted ({what}) tokens per step over the first "
         "windows (the table's tokens are the --seq-len bound)",
         f"       --packing {mode}{given}: {cut}; the same update in every mode",
+    ] + _over_budget_lines(config, ahead, targets[0], what)
+
+
+def _over_budget_lines(config: TrainConfig, ahead: SFTBatches, first: int, what: str) -> list:
+    """A warning when the first window (`first` counted tokens) is over --tokens-per-step:
+    a window takes at least one whole example, so such a run trains on more than its budget."""
+    budget = config.tokens_per_step
+    if budget is None or first <= budget:
+        return []
+    smallest = int(ahead.counts.min())
+    return [
+        f"warning: --tokens-per-step {budget:,} is below the first window's example(s) "
+        f"({first:,} counted ({what}) tokens; the smallest example holds {smallest:,}): each "
+        f"step takes at least one whole example, so steps go over the budget; use at least "
+        f"--tokens-per-step {smallest:,}"
     ]
 
 

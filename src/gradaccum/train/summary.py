@@ -8,7 +8,8 @@ import os
 from typing import TYPE_CHECKING
 
 from gradaccum.plan.sizes import fmt_count
-from gradaccum.train import adapters
+from gradaccum.train import adapters, sft
+from gradaccum.train.epochs import pretrain_length_line
 from gradaccum.train.rundir.metrics import plot_loss
 from gradaccum.train.rundir.outputs import Outputs
 from gradaccum.utils.errors import DiskFull
@@ -31,13 +32,26 @@ def opening_lines(run: Run) -> list[str]:
         + (f", entropy floor {floor:.3f} nats/token" if floor is not None else ""),
         f"device {device}, precision {config.precision}, out {config.out}{at}",
     ]
-    lines[2:2] = adapters.opening_lines(model_info)  # LoRA: targets, trainable parameters
+    lines[1:1] = [length_line(run)]  # after the table: the run's steps in epochs
+    lines[3:3] = adapters.opening_lines(model_info)  # LoRA: targets, trainable parameters
     if device.type == "cpu" and config.precision != "fp32":
         lines.append(
             f"note: {config.precision} on CPU is usually several times slower than fp32 "
             "(few CPUs have fast low-precision matmuls); fp32 is the faster choice here"
         )
     return lines
+
+
+def length_line(run: Run) -> str:
+    """The run's length in steps and epochs and what ends it (`gradaccum.train.epochs`); a
+    --batch-schedule run's in tokens."""
+    config, batch = run.config, run.batch
+    if run.sft is not None:
+        return sft.length_line(config, run.sft.train)
+    if batch.varies:
+        return f"length {fmt_count(batch.total_tokens)} tokens (--max-tokens), the steps as k grows"
+    sequences = len(run.data.train)
+    return pretrain_length_line(config, sequences, run.resolved.total_steps, batch.tokens_per_step)
 
 
 def stopped_line(stopped: str, step: int, total: int, outputs: Outputs) -> str:

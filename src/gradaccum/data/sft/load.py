@@ -16,7 +16,13 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from gradaccum.data.sft.examples import Example, fit_to_length, make_example, tokenize_item
+from gradaccum.data.sft.examples import (
+    IGNORE_INDEX,
+    Example,
+    fit_to_length,
+    make_example,
+    tokenize_item,
+)
 from gradaccum.data.sft.rows import BadRow, Chat, Row, detect_format, parse_row, read_rows
 from gradaccum.data.tokenizers import require_chat_template
 from gradaccum.utils.errors import BadInput
@@ -160,6 +166,9 @@ def tokenize_rows(
     if fmt == "messages":  # refused before any row, not as each row's fault
         require_chat_template(tokenizer)
     checked_template = fmt == "messages"
+    # (prompt tokens, the --seq-len keeping it) of each example dropped whose prompt alone
+    # fills seq_len: a prompt and one completion token, or under drop_long the whole example
+    long_prompts = []
     for row in rows:
         try:
             item = parse_row(row, fmt)
@@ -175,7 +184,12 @@ def tokenize_rows(
             if len(data.bad_reasons) < KEPT_REASONS:
                 data.bad_reasons.append(line)
             continue
-        _keep(data, ids, labels, row.index, drop_long)
+        if not _keep(data, ids, labels, row.index, drop_long):
+            prompt = _prompt_tokens(labels)
+            if prompt >= seq_len:
+                long_prompts.append((prompt, len(ids) if drop_long else prompt + 1))
+    if not data.examples and long_prompts and len(long_prompts) == len(rows) - data.bad_rows:
+        raise BadInput(_prompts_too_long(data, long_prompts))
     if not data.examples:
         raise BadInput(
             f"--data {source}: no example left to train on ({data.bad_rows} bad rows skipped, "
@@ -185,7 +199,8 @@ def tokenize_rows(
     return data
 
 
-def _keep(data: SFTData, ids, labels, index: int, drop_long: bool) -> None:
+def _keep(data: SFTData, ids, labels, index: int, drop_long: bool) -> bool:
+    """Add the example of (ids, labels), cut to seq_len, or count it dropped; whether kept."""
     ids, labels, status = fit_to_length(ids, labels, data.seq_len, drop_long)
     if status == "long":
         data.dropped_long += 1
@@ -194,3 +209,24 @@ def _keep(data: SFTData, ids, labels, index: int, drop_long: bool) -> None:
     else:
         data.truncated += status == "truncated"
         data.examples.append(make_example(ids, labels, index, status == "truncated"))
+    return ids is not None
+
+
+def _prompt_tokens(labels) -> int:
+    """Tokens before the first target: the prompt's (its template included)."""
+    return next((i for i, label in enumerate(labels) if label != IGNORE_INDEX), len(labels))
+
+
+def _prompts_too_long(data: SFTData, long_prompts: list[tuple[int, int]]) -> str:
+    """Why no example is left when each one's prompt alone is longer than seq_len
+    (`long_prompts`: each one's prompt tokens and the --seq-len that keeps it), and the
+    --seq-len that keeps them all."""
+    whose = "the Alpaca template's prompt" if data.data_format == "alpaca" else "the prompt"
+    q = quantiles(prompt for prompt, _ in long_prompts)
+    keeps = max(need for _, need in long_prompts)
+    skipped = f" ({data.bad_rows} bad rows skipped)" if data.bad_rows else ""
+    return (
+        f"--data {data.source}: no example left to train on{skipped}: {whose} alone is longer "
+        f"than --seq-len {data.seq_len} in all {len(long_prompts)} examples (median "
+        f"{q.median}, max {q.max} tokens); --seq-len {keeps} or more keeps them"
+    )

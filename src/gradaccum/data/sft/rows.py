@@ -184,7 +184,7 @@ def _read_json(path: str) -> list[Row]:
             )
         data = data[key]
     if not isinstance(data, list):
-        raise BadInput(f"{flag}: a .json file must hold a list of rows, not a {_kind(data)}")
+        raise BadInput(f"{flag}: a .json file must hold a list of rows, not {_a_kind(data)}")
     return [Row(f"{path} row {i}", i, item) for i, item in enumerate(data)]
 
 
@@ -235,6 +235,8 @@ def detect_format(rows: list[Row], data_format: str, spec: str) -> str:
     if data_format != "auto":
         return data_format
     first = next((r for r in rows if r.error is None and isinstance(r.fields, dict)), None)
+    if first is None and rows and rows[0].error is not None:  # the line itself, not its format
+        raise BadInput(f"--data {rows[0].where}: {rows[0].error}")
     if first is None:
         raise BadInput(f"--data {spec}: no row is a JSON object, so its format cannot be told")
     keys = first.fields
@@ -257,7 +259,7 @@ def parse_row(row: Row, data_format: str) -> TextPair | Chat:
     if row.error is not None:
         raise BadRow(row.error)
     if not isinstance(row.fields, dict):
-        raise BadRow(f"not a JSON object but a {_kind(row.fields)}")
+        raise BadRow(f"not a JSON object but {_a_kind(row.fields)}")
     fields = row.fields
     if data_format == "messages":
         messages = _messages(fields, "messages")
@@ -278,9 +280,19 @@ def parse_row(row: Row, data_format: str) -> TextPair | Chat:
     raise ValueError(f"unknown data format {data_format!r}")
 
 
-def _kind(value) -> str:
-    names = {dict: "object", list: "list", str: "string", bool: "boolean", type(None): "null"}
-    return names.get(type(value), type(value).__name__)
+def _a_kind(value) -> str:
+    """What a JSON value is, in the words of its file, with its article: "an integer",
+    "a number", "a list", "null"."""
+    names = {
+        dict: "an object",
+        list: "a list",
+        str: "a string",
+        bool: "true or false",
+        int: "an integer",
+        float: "a number",
+        type(None): "null",
+    }
+    return names.get(type(value), f"a {type(value).__name__}")
 
 
 def _string(
@@ -293,7 +305,7 @@ def _string(
             return ""
         raise BadRow(f"field '{label}': " + ("missing" if name not in fields else "null"))
     if not isinstance(value, str):
-        raise BadRow(f"field '{label}': expected a string, got a {_kind(value)}")
+        raise BadRow(f"field '{label}': expected a string, got {_a_kind(value)}")
     if nonempty and not value:
         raise BadRow(f"field '{label}': empty")
     return value
@@ -304,7 +316,7 @@ def _messages(fields: dict, name: str, allow_empty: bool = False) -> tuple:
     if value is None:
         raise BadRow(f"field '{name}': " + ("missing" if name not in fields else "null"))
     if not isinstance(value, list):
-        raise BadRow(f"field '{name}': expected a list of messages, got a {_kind(value)}")
+        raise BadRow(f"field '{name}': expected a list of messages, got {_a_kind(value)}")
     if not value and not allow_empty:
         raise BadRow(f"field '{name}': no messages")
     messages = []

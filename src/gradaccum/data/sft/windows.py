@@ -12,6 +12,9 @@ A window is the next examples of the stream:
   over about the same number of targets, whatever the prompts' lengths, so the learning rate
   means the same thing every step. `budget="tokens"` counts every token (prompt and
   completion, no padding), a bound on the step's compute.
+With `stop` (a run of --epochs), the stream ends after its first `stop` examples: the window
+that reaches that place is cut short there (its own N), so E whole epochs train each example
+exactly E times.
 So the windows, and the gradient of each, do not depend on the micro-batch or the number of
 ranks. Within a window the examples are sorted longest first (ties in stream order) and dealt
 round-robin to the ranks, rank r taking the r-th, (r+W)-th, ... (the ranks' loads stay close),
@@ -123,6 +126,7 @@ class SFTBatches:
     size (exactly one of them); budget: what tokens_per_step counts ("targets" or "tokens").
     pad_id: the input id of padding. layout: "shifted" or "unshifted" (the loss's).
     seed: the data order. rank, world_size: this process among the data-parallel ranks.
+    stop: examples of the stream the run trains on (the last window ends there); None: endless.
     """
 
     def __init__(
@@ -139,6 +143,7 @@ class SFTBatches:
         rank: int = 0,
         world_size: int = 1,
         sort_by_length: bool = True,
+        stop: int | None = None,
     ):
         self.examples = examples
         self.lengths = np.array([e.length for e in examples], dtype=np.int64)
@@ -155,7 +160,7 @@ class SFTBatches:
         self.micro_batch, self.pad_id, self.layout = micro_batch, pad_id, layout
         self.examples_per_step, self.tokens_per_step = examples_per_step, tokens_per_step
         self.budget, self.seed, self.sort_by_length = budget, seed, sort_by_length
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.stop = rank, world_size, stop
         self.position = 0
         """Examples of the stream all ranks have taken together (over all epochs)."""
         self.windows = 0
@@ -179,10 +184,16 @@ class SFTBatches:
     def next_indices(self) -> list[int]:
         """The next window's examples (positions, stream order), without taking them."""
         g = self.position
+        left = None if self.stop is None else self.stop - g
+        if left is not None and left < 1:
+            raise StopIteration  # past the run's last window
         if self.examples_per_step is not None:
-            return [self._at(g + j) for j in range(self.examples_per_step)]
+            count = self.examples_per_step if left is None else min(left, self.examples_per_step)
+            return [self._at(g + j) for j in range(count)]
         taken, total = [], 0
         while True:
+            if len(taken) == left:
+                return taken
             i = self._at(g + len(taken))
             if taken and total + self.counts[i] > self.tokens_per_step:
                 return taken

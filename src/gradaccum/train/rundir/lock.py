@@ -2,8 +2,10 @@
 
 The kernel drops a flock when its process ends, however it ends, so a lock left by a crash or
 a kill is stale by construction: the file stays, but nobody holds it and the next run takes
-it. The file's text names the holder (pid, host, start time) for the message a second run
-prints.
+it. A run that ends by its own hand removes the file: unlinked while still held, then
+unlocked, so a process that opened the file in between and locks it after finds it is no
+longer `<out>/.lock` (`acquire` compares the two) and tries again on the new one. The
+file's text names the holder (pid, host, start time) for the message a second run prints.
 """
 
 from __future__ import annotations
@@ -50,17 +52,7 @@ class RunLock:
         made_folder, had_file = not os.path.isdir(self.out), os.path.exists(self.path)
         with writing(self.out):
             os.makedirs(self.out, exist_ok=True)
-        with writing(self.path):
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise BadInput(
-                "--out",
-                self.out,
-                f"in use by a running run ({self.holder()}); wait for it or choose another folder",
-            ) from None
+        fd = self._lock_file()
         started = time.strftime("%Y-%m-%d %H:%M:%S")
         text = f"pid {os.getpid()} on {socket.gethostname()}, started {started}\n".encode()
         try:
@@ -71,17 +63,42 @@ class RunLock:
                     done += os.pwrite(fd, text[done:], done)
                 os.ftruncate(fd, len(text))
         except BaseException:
-            os.close(fd)
-            if not had_file:  # what this call made goes with it
+            if not had_file:  # what this call made goes with it (unlinked while held)
                 os.unlink(self.path)
-                if made_folder:
-                    with contextlib.suppress(OSError):  # not empty: someone else's now
-                        os.rmdir(self.out)
+            os.close(fd)
+            if not had_file and made_folder:
+                with contextlib.suppress(OSError):  # not empty: someone else's now
+                    os.rmdir(self.out)
             raise
         self._fd = fd
 
+    def _lock_file(self) -> int:
+        """The open, exclusively locked `<out>/.lock`, or BadInput naming its holder. A file
+        locked just as its holder removed it (`release`) is not the lock any more: the
+        lock is then taken again on the file now at the path."""
+        while True:
+            with writing(self.path):
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise BadInput(
+                    "--out",
+                    self.out,
+                    f"in use by a running run ({self.holder()}); wait for it or choose "
+                    "another folder",
+                ) from None
+            if _same_file(fd, self.path):
+                return fd
+            os.close(fd)
+
     def release(self) -> None:
+        """Remove the lock file, then unlock: the file goes while this process still holds
+        it, so a lock another process has taken since is never removed."""
         if self._fd is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
             os.close(self._fd)
             self._fd = None
 
@@ -92,3 +109,13 @@ class RunLock:
     def __exit__(self, *exc):
         self.release()
         return False
+
+
+def _same_file(fd: int, path: str) -> bool:
+    """Whether open file `fd` is still the file at `path` (not removed nor replaced)."""
+    try:
+        at_path = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (held.st_dev, held.st_ino) == (at_path.st_dev, at_path.st_ino)

@@ -201,15 +201,25 @@ def batch_lines(ckpt, batch) -> list[str]:
 
 
 def _batch_line(ckpt, batch) -> str | None:
-    plan = ckpt.trainer_state["plan"]
-    if ckpt.trainer_state["config"].get("batch_schedule") is not None:  # k follows it
+    plan, saved = ckpt.trainer_state["plan"], ckpt.trainer_state["config"]
+    # k is not the layout's with a batch schedule (it follows the tokens seen) nor with
+    # --task sft (each window's examples fix it), so the checkpoint's k, the last window's,
+    # is no change to report.
+    follows = (
+        "the batch schedule"
+        if saved.get("batch_schedule") is not None
+        else "each window's examples"
+        if saved.get("task") == "sft"
+        else None
+    )
+    if follows is not None:
         old = (plan["micro_batch"], plan["world_size"])
         new = (batch.micro_batch, batch.world_size)
         if old == new:
             return None
         return (
             f"micro-batch {old[0]} x {old[1]} device(s) -> {new[0]} x {new[1]} from step "
-            f"{ckpt.step}: k follows the batch schedule"
+            f"{ckpt.step}: k follows {follows}"
         )
     old = (plan["micro_batch"], plan["accum_steps"], plan["world_size"])
     new = (batch.micro_batch, batch.k, batch.world_size)
