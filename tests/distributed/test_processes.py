@@ -52,6 +52,10 @@ def rank_one_fails(info, pid_dir: str) -> None:
     time.sleep(3600)
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def parent_main(pid_dir: str) -> None:
     """The process the kill tests end: it runs two sleeping ranks."""
     run_ranks(sleep_forever, 2, args=(pid_dir,), timeout_s=3600)
@@ -179,6 +183,10 @@ def test_no_rank_outlives_a_parent_ended_by_a_signal(tmp_path):
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
                 env={**os.environ, "OMP_NUM_THREADS": "1"},
+                # a shell that starts the suite in the background without job control hands
+                # it SIGINT ignored, which a child inherits: Python then never raises
+                # KeyboardInterrupt, and the Ctrl-C this test sends would not reach the parent
+                preexec_fn=_default_sigint,
             )
         deadline = time.monotonic() + START_S
         while any(len(rank_pids(d, 2)) < 2 for d in dirs.values()):
