@@ -17,7 +17,7 @@ from dataclasses import MISSING, Field, dataclass, field, fields
 from gradaccum.settings.docs import field_docs, title
 from gradaccum.settings.field import Flag, flag_of, read_value
 from gradaccum.settings.files import read_config
-from gradaccum.utils.errors import BadInput, flag_name
+from gradaccum.utils.errors import flag_name
 
 CONFIG_HELP = (
     "a YAML, TOML or JSON file of these settings: the flag names as keys (with - or _), flat "
@@ -195,12 +195,6 @@ def namespace(args: argparse.Namespace, fill: bool = True) -> argparse.Namespace
         value = values.get(name, command.default(name, task) if fill else None)
         setattr(out, name, None if value is None else read_value(name, flag_of(f), value, value))
     return out
-
-
-def check_choices(value: str, choices: Iterable[str], flag: str) -> str:
-    if value not in choices:
-        raise BadInput(flag, value, f"choose one of {', '.join(choices)}")
-    return value
 
 
 def build_program(prog: str, description: str, version: str, commands, parser_class):

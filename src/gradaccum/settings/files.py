@@ -55,7 +55,7 @@ def _load(path: str) -> dict:
     except FileNotFoundError:
         raise BadInput("--config", path, "no such file") from None
     except IsADirectoryError:
-        raise BadInput("--config", path, f"is a folder, expected a {_expected()} file") from None
+        raise BadInput("--config", path, "is a folder, expected a YAML, TOML or JSON file") from None
     except UnicodeDecodeError:
         raise BadInput("--config", path, f"not UTF-8 text, expected a {kind} file") from None
     except OSError as err:
@@ -75,10 +75,6 @@ def _load(path: str) -> dict:
     if not isinstance(data, dict):
         raise BadInput("--config", path, f"expected keys and values, got a {type(data).__name__}")
     return data
-
-
-def _expected() -> str:
-    return "YAML, TOML or JSON"
 
 
 def to_yaml(sections: dict[str, dict], header: str = "") -> str:
