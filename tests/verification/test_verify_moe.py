@@ -59,6 +59,10 @@ def test_micro_fails_with_the_finding_and_its_error():
     assert not report.passed and not report.moe.passed
     assert report.moe.grad_rel_err > 1e-3
     assert report.moe.grad_rel_err == pytest.approx(want, rel=1e-2)
+    # --json's top level carries the worst check, the balance's, beside passed false
+    out = json.loads(report.to_json())
+    assert out["max_rel_err"] == pytest.approx(want, rel=1e-2) and out["passed"] is False
+    assert out["max_rel_err_check"] == "moe" and out["max_rel_err"] > out["tolerance"]
     finding = report.lint[0]
     assert finding.severity == "error"
     said = re.search(
@@ -122,9 +126,15 @@ def test_cli_moe_defaults_to_global_and_micro_fails_as_json(capsys):
     code, out, _ = _run(capsys, "--model", "tiny-moe", "--moe-balance", "micro", *SMALL, "--json")
     got = json.loads(out)
     assert code == 1 and got["passed"] is False
-    assert got["max_rel_err"] <= 1e-5  # the cross-entropy alone passes
     moe = got["moe"]
     assert moe["mode"] == "micro" and moe["passed"] is False and moe["grad_rel_err"] > 1e-3
+    # the top level carries the worst of the checks deciding passed, and names it: the
+    # balance's error, not the cross-entropy's alone, which passes on its own
+    assert got["max_rel_err"] >= moe["grad_rel_err"] and got["max_rel_err_check"] == "moe"
+    assert got["max_rel_err"] > got["tolerance"] == moe["tolerance"]  # as passed false says
+    gradient, balance = got["checks"]
+    assert gradient["check"] == "gradient" and gradient["passed"] is True
+    assert gradient["max_rel_err"] <= 1e-5 < balance["max_rel_err"] == moe["grad_rel_err"]
     assert moe["grad_rel_err"] == moe["micro_rel_err"]
     assert {"lbl", "micro_lbl", "aux_loss", "tokens", "tolerance"} <= set(moe)
     assert got["lint"][0]["severity"] == "error" and "per micro-batch" in got["lint"][0]["problem"]

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import os
 
-from gradaccum.data.settings import DataSettings
+from gradaccum.data.settings import DEFAULT_SPLIT, DataSettings
 from gradaccum.engine.settings import PrecisionSettings
 from gradaccum.models.settings import ModelSettings, model_source
 from gradaccum.moe.settings import MoESettings
 from gradaccum.settings.command import Command, part
 from gradaccum.train.settings import BatchSettings, RunSettings
 from gradaccum.utils.choices import PACKINGS
-from gradaccum.utils.errors import BadInput
+from gradaccum.utils.errors import BadInput, flag_name
 from gradaccum.verification.budget import MAX_SEQ_LEN
 from gradaccum.verification.settings import VerifySettings
 
@@ -24,16 +24,19 @@ DEFAULT_PLOT = "precision_study.png"
 _EPILOG = """\
 The built-in check: a GPT of the chosen preset on token sequences of random lengths (micro-
 batches padded to their longest row). --task sft: the window is k x micro-batch SFT examples
-read as `gradaccum train --task sft` reads them (the built-in instruction set, or --data;
-byte tokens, the loss on the completion only), each micro-batch padded to its longest, so
-the micro-batches hold different numbers of targets. --packing window or padding-free cuts the
-same examples as `train --packing` does (by --micro-batch-tokens, or into padding-free rows of
---seq-len with attention kept inside each example), checked against every example of the
-window padded into one unpacked batch. Examples:
+read and tokenized as `gradaccum train --task sft` reads them (the built-in instruction set,
+or --data with --data-format and --train-on-prompt; byte tokens, or with --init-from the
+folder's model in its own dtype, its tokenizer and chat template; the loss on the completion
+only), each micro-batch padded to its longest, so the micro-batches hold different numbers of
+targets. --packing window or padding-free cuts the same examples as `train --packing` does
+(by --micro-batch-tokens, or into padding-free rows of up to --seq-len with attention kept
+inside each example), checked against every example of the window padded into one unpacked
+batch. Examples:
   gradaccum verify
   gradaccum verify --task sft                # the built-in instruction set
   gradaccum verify --task sft --data sft.jsonl --k 8
   gradaccum verify --task sft --packing padding-free
+  gradaccum verify --task sft --init-from path/to/model --data sft.jsonl --packing window
   gradaccum verify --model-config path/to/config.json --k 8 --precision bf16
   gradaccum verify --world-size 2          # also DDP and FSDP2 over 2 gloo processes on CPU
   gradaccum verify --model tiny-moe --moe-balance micro   # a mixture of experts
@@ -46,10 +49,18 @@ COMMAND = Command(
     help="prove accumulated gradients equal the big-batch gradient on a model",
     description="One window through the engine against the same data as one big batch.",
     parts=(
-        part(ModelSettings, "model", "model_config"),
+        part(ModelSettings, "model", "model_config", "init_from"),
         part(MoESettings),
         part(RunSettings, "task"),
-        part(DataSettings, "data"),
+        part(
+            DataSettings,
+            "data",
+            "data_split",
+            "data_format",
+            "train_on_prompt",
+            "drop_long",
+            "skip_bad_rows",
+        ),
         part(VerifySettings, "k"),
         part(BatchSettings, "micro_batch", "packing", "micro_batch_tokens", "seq_len"),
         part(PrecisionSettings),
@@ -59,11 +70,14 @@ COMMAND = Command(
     ),
     run="verify_run",
     epilog=_EPILOG,
-    defaults={"micro_batch": 4, "packing": "none", "seq_len": 64},
+    defaults={"micro_batch": 4, "packing": "none", "seq_len": 64, "precision": None},
+    exclusive=(("model", "model_config", "init_from"),),
     notes={
+        "precision": "Default fp32; with --init-from, the dtype the folder's weights are "
+        "stored in (bf16 weights: bf16), and --precision fp32 loads them in fp32.",
         "seq_len": f"Rows are ragged, this is the longest; at most {MAX_SEQ_LEN}: the float64 "
         "big batch costs about the square of it, and k x micro-batch x seq-len must fit the "
-        "available memory at about 8 bytes x (18 x layers x width + 3 x vocab) per token."
+        "available memory at about 8 bytes x (18 x layers x width + 3 x vocab) per token.",
     },
 )
 
@@ -86,10 +100,30 @@ def parse_sizes(args) -> dict:
         )
     if sizes["k_max"] & (sizes["k_max"] - 1) or sizes["k_max"] > 1024:
         raise BadInput("--k-max", sizes["k_max"], "must be a power of two, at most 1024")
-    args.model, args.model_config = model_source(args)
+    args.model, args.model_config = _model_source(args)
     _check_task(args)
     _check_plot(args)
     return sizes
+
+
+def _model_source(args) -> tuple[str | None, str | None]:
+    """(preset, config.json): `model_source`, or neither for --init-from, which takes no
+    other model."""
+    if args.init_from is None:
+        return model_source(args)
+    other = next((n for n in ("model", "model_config") if getattr(args, n) is not None), None)
+    if other is not None:
+        raise BadInput(
+            "--init-from",
+            args.init_from,
+            f"give only one of --model, --model-config, --init-from (also got "
+            f"{flag_name(other)} {getattr(args, other)})",
+        )
+    return None, None
+
+
+SFT_READING = ("data_format", "train_on_prompt", "drop_long", "skip_bad_rows")
+"""How --task sft reads its rows: flags the pretraining check has no use for."""
 
 
 def _check_task(args) -> None:
@@ -99,6 +133,13 @@ def _check_task(args) -> None:
         if args.data is not None:
             raise BadInput("--data", args.data, "needs --task sft (the pretraining check "
                            "draws its own token sequences)")  # fmt: skip
+        if args.data_split != DEFAULT_SPLIT:
+            raise BadInput("--data-split", args.data_split, "needs --task sft")
+        for name in SFT_READING:
+            value = getattr(args, name)
+            if value not in (False, "auto"):
+                raise BadInput(flag_name(name), None if value is True else value,
+                               "needs --task sft")  # fmt: skip
         if args.packing != "none":
             raise BadInput("--packing", args.packing, "needs --task sft")
         if args.micro_batch_tokens is not None:

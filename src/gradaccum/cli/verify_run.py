@@ -13,6 +13,7 @@ from gradaccum.settings.command import namespace
 from gradaccum.verification.budget import check_fits
 from gradaccum.verification.cases import (
     build_case,
+    check_beyond_window,
     moe_mode,
     previous_window,
     sample,
@@ -21,7 +22,7 @@ from gradaccum.verification.cases import (
     world_check,
 )
 from gradaccum.verification.check import verify
-from gradaccum.verification.render import render, report_json, world_row
+from gradaccum.verification.render import all_checks, render, report_json, world_row
 
 PROGRESS_TOKENS = 16_384
 """Windows above this many tokens (k x micro-batch x seq-len; 10 s measured at 4 x 4 x 1024)
@@ -36,6 +37,7 @@ def run(args) -> int:
     case = build_case(args, sizes)
     moe = moe_mode(args, case)
     check_fits(case.info, sizes)
+    check_beyond_window(case, sizes, args.precision_study)
     progress = _progress(sizes)
     seed = sizes["seed"]
     window = sft_examples(args, case, sizes, seed) if args.task == "sft" else None
@@ -45,7 +47,7 @@ def run(args) -> int:
         case.model,
         batches,
         case.loss_fn,
-        precision=args.precision,
+        precision=case.precision,
         count_tokens=case.count_tokens,
         big_batch=window.big_batch if window is not None else None,
         seed=seed,
@@ -60,9 +62,9 @@ def run(args) -> int:
     studied = None
     if args.precision_study:
         studied = study(case, sizes, args.plot, None if args.json else _study_progress)
-    passed = report.passed and all(w["passed"] for w in world)
+    passed = all(check["passed"] for check in all_checks(report, world))
     if args.json:
-        print_json(report_json(report, passed, world, args.task, window, studied))
+        print_json(report_json(report, world, args.task, window, studied))
     else:
         print(render(case.description, sizes, report, world, studied, window))
     return 0 if passed else 1

@@ -7,6 +7,11 @@
   tokenizer puts before a text of its own accord, a Llama-style BOS; [] for none);
 - `has_chat_template`, `render_chat(messages, add_generation_prompt=False) -> list[int]`: a
   conversation rendered by the chat template and tokenized;
+- `assistant_tokens_by`: how the SFT examples find an assistant turn's tokens
+  (gradaccum.data.sft.examples): "generation" (the template's `{% generation %}` blocks, read
+  with `render_chat_mask`), "offsets" (character spans of the rendered text mapped to tokens
+  with `render_chat_text` and `encode_with_offsets`, fast tokenizers) or "prefix" (token
+  prefixes of `render_chat`);
 - `origin`: "FLAG PATH" (or "built-in byte tokenizer"), the start of an error line about it.
 
 `ByteTokenizer`: ids 0..255 are the UTF-8 bytes, 256 the end-of-document id, which is EOS and
@@ -14,18 +19,23 @@ also pads (padding is never a target, so what it holds does not matter). Vocabul
 same as the built-in corpus and GPT (`gradaccum.data.tokens.BYTE_VOCAB`). Its chat template
 renders a conversation as bytes, each turn `<|ROLE|>` and a newline, then the content, then a
 newline for a system, user or tool turn and EOS for an assistant turn; the generation prompt is
-`<|assistant|>` and a newline. So an assistant turn's tokens are its content and EOS.
+`<|assistant|>` and a newline. So an assistant turn's tokens are its content and EOS; they are
+found by token prefixes ("prefix").
 
 `HFTokenizer`: `transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)`
 (the `hf` extra), with the folder's chat template if it has one. A conversation is rendered with
 `apply_chat_template(..., tokenize=True, return_dict=True)` and its `input_ids` read: special
 tokens written in the template text (role markers, a BOS) become their own ids, and no second
 BOS is added (transformers tokenizes the rendered text with add_special_tokens=False).
+A fast tokenizer (tokenizers' Rust backend) maps tokens to characters of the text, so its
+assistant tokens are found by offsets, or by the template's assistant mask when the template
+marks them with `{% generation %}`; a slow one has no offsets and keeps token prefixes.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from typing import Protocol, runtime_checkable
 
 from gradaccum.utils.errors import BadInput, first_line
@@ -59,6 +69,10 @@ TOKENIZER_FILES = (
 """Files one of which a folder must hold to have a tokenizer (transformers would otherwise
 build an empty one from the model's config alone)."""
 
+GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
+"""A `{% generation %}` tag: the template marks the tokens the assistant generates (the test
+transformers runs before it computes an assistant mask)."""
+
 
 class TemplateRefused(ValueError):
     """The chat template raised on a conversation (its own `raise_exception`, or a Jinja
@@ -72,6 +86,7 @@ class Tokenizer(Protocol):
     vocab_size: int
     bos_ids: list[int]
     has_chat_template: bool
+    assistant_tokens_by: str
     origin: str
 
     def encode(self, text: str) -> list[int]: ...
@@ -91,6 +106,7 @@ class ByteTokenizer:
     vocab_size = BYTE_VOCAB
     bos_ids: list[int] = []
     has_chat_template = True
+    assistant_tokens_by = "prefix"
     origin = "built-in byte tokenizer"
 
     def encode(self, text: str) -> list[int]:
@@ -124,6 +140,7 @@ class HFTokenizer:
         self.vocab_size = len(tok)
         self.has_chat_template = bool(getattr(tok, "chat_template", None))
         self.bos_ids = _leading_special_ids(tok)
+        self.assistant_tokens_by = _assistant_tokens_by(tok, self.has_chat_template)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tok(text, add_special_tokens=False)["input_ids"])
@@ -132,6 +149,42 @@ class HFTokenizer:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
+        out = self._apply_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=True
+        )
+        ids = out["input_ids"] if hasattr(out, "keys") else out
+        return [int(i) for i in ids]
+
+    def render_chat_text(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        """The conversation as the chat template renders it, before tokenizing."""
+        return self._apply_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """(ids, offsets) of `text` tokenized as `render_chat` tokenizes a rendering (no special
+        token added): token t covers characters offsets[t][0]:offsets[t][1] of `text`. Fast
+        tokenizers only."""
+        out = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        return [int(i) for i in out["input_ids"]], [tuple(o) for o in out["offset_mapping"]]
+
+    def render_chat_mask(self, messages: list[dict]):
+        """(ids, mask, offsets) of the rendered conversation: mask[t] is 1 where token t is in
+        one of the template's `{% generation %}` blocks (transformers' assistant mask), and
+        offsets as `encode_with_offsets`. Needs assistant_tokens_by == "generation"."""
+        out = self._apply_template(
+            messages,
+            tokenize=True,
+            return_dict=True,
+            return_assistant_tokens_mask=True,
+            tokenizer_kwargs={"return_offsets_mapping": True},
+        )
+        ids = [int(i) for i in out["input_ids"]]
+        mask = [int(m) for m in out["assistant_masks"]]
+        return ids, mask, [tuple(o) for o in out["offset_mapping"]]
+
+    def _apply_template(self, messages: list[dict], **kwargs):
+        """tok.apply_chat_template(messages, **kwargs), its refusals as TemplateRefused."""
         if not self.has_chat_template:
             raise BadInput(f"{self.origin}: the tokenizer has no chat template")
         try:
@@ -141,17 +194,25 @@ class HFTokenizer:
                 f"{self.origin}: rendering its chat template needs jinja2 "
                 "(pip install 'gradaccum[hf]')"
             ) from None
-        try:
-            out = self.tok.apply_chat_template(
-                messages,
-                tokenize=True,
-                return_dict=True,
-                add_generation_prompt=add_generation_prompt,
+        if not messages:  # transformers raises ValueError on an empty conversation
+            raise TemplateRefused(
+                "an assistant turn opening the conversation has no prompt to render"
             )
+        try:
+            return self.tok.apply_chat_template(messages, **kwargs)
         except TemplateError as err:  # a template's raise_exception(...), Jinja's own errors
             raise TemplateRefused(first_line(err)) from None
-        ids = out["input_ids"] if hasattr(out, "keys") else out
-        return [int(i) for i in ids]
+
+
+def _assistant_tokens_by(tok, has_chat_template: bool) -> str:
+    """How the assistant tokens of transformers tokenizer `tok` are found: "generation",
+    "offsets" or "prefix" (see the module docstring)."""
+    if not getattr(tok, "is_fast", False):
+        return "prefix"  # no offsets, and transformers' assistant mask needs them too
+    template = tok.chat_template if has_chat_template else ""
+    if isinstance(template, dict):  # named templates: apply_chat_template uses "default"
+        template = template.get("default") or ""
+    return "generation" if GENERATION_BLOCK.search(template) else "offsets"
 
 
 def _leading_special_ids(tok) -> list[int]:

@@ -6,9 +6,9 @@
   which a single text file does not use);
 - "PATH.bin": raw uint16 token ids (nanoGPT's format); "PATH.npy": a 1-D uint16 or uint32 array;
   both memory-mapped, never read whole;
-- "hf:NAME[:SPLIT]": a `datasets` dataset (optional extra) from the local cache
-  (`gradaccum.data.hf_datasets`), its "text" column as UTF-8 bytes with the end-of-document
-  id 256 after each row, held in memory.
+- "hf:NAME[:SPLIT]": a `datasets` dataset (optional extra) from the local cache, or a folder
+  written by save_to_disk (`gradaccum.data.hf_datasets`), its "text" column as UTF-8 bytes
+  with the end-of-document id 256 after each row, held in memory.
 
 Split: the last `val_fraction` of the token stream (at least one sequence) is held out for
 evaluation, the rest is for training; no token of the held-out tail is ever trained on.
@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from gradaccum.data.corpus import MarkovCorpus
-from gradaccum.data.hf_datasets import load_hf_dataset
+from gradaccum.data.hf_datasets import folder_problem, load_hf_dataset
+from gradaccum.data.settings import SOURCES
 from gradaccum.utils.errors import BadInput
 
 __all__ = ["DataInfo", "MarkovCorpus", "TokenDataset", "load_tokens"]
@@ -167,10 +168,10 @@ def _load_file(path: str) -> tuple[np.ndarray, int]:
     """Memory-mapped tokens of a .txt/.bin/.npy file and its vocabulary size."""
     flag = f"--data {path}"
     ext = os.path.splitext(path)[1].lower()
+    if os.path.isdir(path):
+        raise BadInput(folder_problem(path, "pretrain"))
     if ext not in (".txt", ".bin", ".npy"):
-        raise BadInput(
-            f"{flag}: unknown format; expected a .txt, .bin or .npy file or hf:NAME[:SPLIT]"
-        )
+        raise BadInput(f"{flag}: unknown format; expected {SOURCES['pretrain']}")
     if not os.path.isfile(path):
         raise BadInput(f"{flag}: no such file")
     size = os.path.getsize(path)

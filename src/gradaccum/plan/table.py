@@ -16,7 +16,7 @@ _LR_RULE = {"none": "unchanged", "linear": "x c", "sqrt": "x sqrt(c)"}
 _PHASE_ROWS = 15  # more phases (a long ramp) show the first and last few and one row between
 
 
-def _flops(x: float) -> str:
+def flops_text(x: float) -> str:
     exponent = int(math.floor(math.log10(x))) if x > 0 else 0
     return f"{x / 10**exponent:.2f}e{exponent}"
 
@@ -84,18 +84,18 @@ def _rows(plan) -> list[tuple[str, str, str, str]]:
     add("total time", plan.total_time_h, fmt_seconds(total_s), "wall clock", how_total)
     add("device-hours", plan.device_hours, f"{plan.device_hours or 0:,.1f}", "GPU-hours", f"x {w}")
     n = f"6 N D, N = {fmt_count(plan.active_params)} active" if plan.active_params else "6 N D"
-    add("FLOPs / step", plan.flops_per_step, _flops(plan.flops_per_step or 0), "FLOP", n)
-    add("FLOPs total", plan.flops_total, _flops(plan.flops_total or 0), "FLOP", n)
+    add("FLOPs / step", plan.flops_per_step, flops_text(plan.flops_per_step or 0), "FLOP", n)
+    add("FLOPs total", plan.flops_total, flops_text(plan.flops_total or 0), "FLOP", n)
     add("MFU (implied)", plan.mfu_implied, f"{plan.mfu_implied or 0:.3f}", "fraction of peak")
     if plan.lr is not None:
         how = f"{plan.lr_rule}: base {_LR_RULE[plan.lr_rule]}, c = {plan.lr_scale:.4g}"
         add("learning rate", plan.lr, f"{plan.lr:.4g}", "dimensionless", how)
-    rows += _memory_rows(plan)
+    rows += memory_rows(plan)
     rows += _communication_rows(plan)
     return rows
 
 
-def _memory_rows(plan) -> list[tuple[str, str, str, str]]:
+def memory_rows(plan) -> list[tuple[str, str, str, str]]:
     m = plan.memory
     setup = f"{plan.precision}, {plan.optimizer}, ZeRO-{plan.zero}"
     setup += ", checkpointing" if plan.checkpointing == "full" else ""
@@ -226,16 +226,31 @@ def _phase_table(plan) -> Table:
     return table
 
 
-def render_table(plan, width: int = 110) -> str:
-    """The plan as a table for people, units on every row (and the phases of a batch
-    schedule), then one line per warning and note."""
-    table = Table(title="gradaccum plan", title_justify="left")
+def rows_table(title: str, rows) -> Table:
+    """A table of (quantity, value, unit, how) rows."""
+    table = Table(title=title, title_justify="left")
     table.add_column("quantity")
     table.add_column("value", justify="right")
     table.add_column("unit")
     table.add_column("how")
-    for row in _rows(plan):
+    for row in rows:
         table.add_row(*(Text(cell) for cell in row))
+    return table
+
+
+def render_rows(title: str, rows, width: int = 110) -> str:
+    """`rows_table` as text."""
+    out = io.StringIO()
+    Console(file=out, width=width, color_system=None, highlight=False).print(
+        rows_table(title, rows)
+    )
+    return out.getvalue()
+
+
+def render_table(plan, width: int = 110) -> str:
+    """The plan as a table for people, units on every row (and the phases of a batch
+    schedule), then one line per warning and note."""
+    table = rows_table("gradaccum plan", _rows(plan))
     out = io.StringIO()
     console = Console(file=out, width=width, color_system=None, highlight=False)
     console.print(table)

@@ -19,12 +19,12 @@ try:
 except ImportError:  # Python 3.10
     import tomli as tomllib
 
+from gradaccum.data.hf_datasets import folder_problem
 from gradaccum.parallel import devices
 from gradaccum.train.config import FLAGS, TrainConfig
-from gradaccum.train.rundir import checkpoint
+from gradaccum.train.rundir import checkpoint, trackers
 from gradaccum.train.rundir.lock import LOCK_FILE, RunLock
 from gradaccum.train.rundir.settings import LEGACY_SETTINGS_FILE, SETTINGS_FILE
-from gradaccum.train.rundir.tensorboard import check_available
 from gradaccum.utils.choices import check_builtin_model
 from gradaccum.utils.errors import BadInput
 
@@ -37,7 +37,7 @@ def prepare(config: TrainConfig) -> TrainConfig:
         out=config.out or default_out(),
         **{
             name: os.path.abspath(getattr(config, name))
-            for name in ("data", "model_config", "init_from")
+            for name in ("data", "eval_data", "model_config", "init_from")
             if getattr(config, name) is not None and not getattr(config, name).startswith("hf:")
         },
     )
@@ -48,8 +48,7 @@ def prepare(config: TrainConfig) -> TrainConfig:
         check_paths(replace(config, model_config=None, init_from=None, model=None))
     check_device(config.device)
     check_run_folder(config.out, config.resume)
-    if config.tensorboard:
-        check_available()
+    trackers.check_installed(config)  # --report-to, --tensorboard
     return config
 
 
@@ -121,7 +120,7 @@ def undo_start(out: str) -> Callable[[], None]:
     """For a new run's start: a function that removes what the start made in `out` from now
     on, when it fails (a full disk): the folders made down to `out` when it does not exist
     yet, else those of the files a start writes (lock, config.yaml, metrics.jsonl,
-    tensorboard/) that are not there now. What was there is left."""
+    the trackers' folders) that are not there now. What was there is left."""
     path, top = os.path.abspath(out), None
     while not os.path.exists(path):
         top, path = path, os.path.dirname(path)
@@ -131,7 +130,7 @@ def undo_start(out: str) -> Callable[[], None]:
         if top is not None:
             shutil.rmtree(top, ignore_errors=True)
             return
-        for name in (LOCK_FILE, SETTINGS_FILE, "metrics.jsonl", "tensorboard"):
+        for name in (LOCK_FILE, SETTINGS_FILE, "metrics.jsonl", *trackers.FOLDERS):
             entry = os.path.join(out, name)
             if name in before or not os.path.lexists(entry):
                 continue
@@ -206,8 +205,10 @@ def check_paths(config) -> None:
     data = config.data
     if data is not None and not data.startswith("hf:"):
         if os.path.isdir(data):
-            raise BadInput("--data", data, "is a folder; expected a .txt, .bin or .npy file")
-        if not os.path.isfile(data):
+            problem = folder_problem(data, config.task)
+            if problem is not None:
+                raise BadInput(problem)
+        elif not os.path.isfile(data):
             raise BadInput("--data", data, "no such file")
     if config.model_config is not None and not os.path.exists(config.model_config):
         raise BadInput("--model-config", config.model_config, "no such file")

@@ -32,6 +32,7 @@ from gradaccum.train.settings import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_MAX_WARMUP_STEPS,
     DEFAULT_MIN_TOKENS_PER_STEP,
+    DEFAULT_SFT_EPOCHS,
     DEFAULT_TOKENS_PER_STEP,
     TASK_DEFAULTS,
     BatchSettings,
@@ -71,6 +72,7 @@ EXCLUSIVE = (
     ("max_steps", "max_tokens"),
     ("model", "model_config", "init_from"),
     ("examples_per_step", "tokens_per_step"),
+    ("eval_data", "eval_fraction"),
 )
 """Fields of which a run takes at most one: where settings are layered (a config file under
 the command line, a checkpoint's settings under a resume's flags), the upper layer's choice
@@ -90,7 +92,7 @@ class TrainConfig(*reversed(COMPONENTS)):
         if self.packing is not None and self.packing not in PACKINGS:
             raise BadInput("--packing", self.packing, f"choose one of {', '.join(PACKINGS)}")
         check_task(self)
-        given_length = self.max_tokens or self.epochs  # a length of its own: no step default
+        given_length = self.max_tokens or self.run_epochs  # a length of its own: no step default
         for name, value in TASK_DEFAULTS[self.task].items():
             if getattr(self, name) is None and not (name == "max_steps" and given_length):
                 setattr(self, name, value)
@@ -98,6 +100,18 @@ class TrainConfig(*reversed(COMPONENTS)):
             self.examples_per_step = DEFAULT_EXAMPLES_PER_STEP
         self.lr_rule = self.lr_rule or "none"
         self._check_together()
+
+    @property
+    def epochs_defaulted(self) -> bool:
+        """--task sft on --data with no --epochs, --max-steps or --max-tokens: the run is
+        DEFAULT_SFT_EPOCHS passes over the data (one's own data, counted as TRL counts it)."""
+        given = (self.max_steps, self.max_tokens, self.epochs)
+        return self.task == "sft" and self.data is not None and all(x is None for x in given)
+
+    @property
+    def run_epochs(self) -> float | None:
+        """The run's length in epochs: --epochs, or its default (`epochs_defaulted`)."""
+        return DEFAULT_SFT_EPOCHS if self.epochs_defaulted else self.epochs
 
     def _check_lora(self) -> None:
         """The --lora-* flags need --lora-rank."""
@@ -124,6 +138,7 @@ class TrainConfig(*reversed(COMPONENTS)):
             )
         self._check_batch_schedule()
         self._check_epochs()
+        self._check_eval()
         self._check_lora()
         given = [n for n in EXCLUSIVE[1] if getattr(self, n) is not None]
         if len(given) > 1:
@@ -143,6 +158,25 @@ class TrainConfig(*reversed(COMPONENTS)):
                 "--epochs",
                 f"{self.epochs:g}",
                 "a --batch-schedule run's length is in tokens: give --max-tokens",
+            )
+
+    def _check_eval(self) -> None:
+        """One eval set: --eval-data or --eval-fraction in [0, 1); --save-best needs one."""
+        fraction = self.eval_fraction
+        if fraction is not None and fraction >= 1:
+            raise BadInput("--eval-fraction", f"{fraction:g}", "must be below 1")
+        if fraction is not None and self.eval_data is not None:
+            raise BadInput(
+                "--eval-fraction",
+                f"{fraction:g}",
+                f"give either --eval-data ({self.eval_data}) or --eval-fraction, not both",
+            )
+        if self.save_best and fraction == 0:
+            raise BadInput(
+                "--save-best",
+                None,
+                "needs an eval set: --eval-fraction 0 holds none out; give a fraction above 0 "
+                "or --eval-data",
             )
 
     def _check_batch_schedule(self) -> None:
@@ -186,7 +220,7 @@ class TrainConfig(*reversed(COMPONENTS)):
     def total_tokens(self) -> int | None:
         """Tokens the run trains on: --max-tokens, or DEFAULT_MAX_TOKENS; None when
         --max-steps or --epochs (without --max-tokens) sets the length instead."""
-        if self.max_steps is not None or (self.epochs is not None and self.max_tokens is None):
+        if self.max_steps is not None or (self.run_epochs is not None and self.max_tokens is None):
             return None
         return self.max_tokens or DEFAULT_MAX_TOKENS
 

@@ -51,9 +51,10 @@ def length_line(
         f"({trained:,} {unit} read); ends at {reason}"
     )
     if "--epochs" in lengths and first == "--epochs":
-        past = trained - epoch_stop(float(given["--epochs"]), items)
+        epochs = given["--epochs"].split(" ", 1)[0]  # the number, without a default's words
+        past = trained - epoch_stop(float(epochs), items)
         if past > 0:
-            line += f"; the last step reads {past:,} {unit} past {given['--epochs']} epoch(s)"
+            line += f"; the last step reads {past:,} {unit} past {epochs} epoch(s)"
     return line
 
 

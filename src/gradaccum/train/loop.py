@@ -30,7 +30,7 @@ from gradaccum.engine.accumulator import Accumulator, StepResult
 from gradaccum.models.loss import causal_lm_loss
 from gradaccum.parallel import devices
 from gradaccum.parallel.process_group import RankInfo, init_distributed, teardown
-from gradaccum.train import micro_batch, moe, parts, sft, summary
+from gradaccum.train import micro_batch, moe, parts, sft, sft_plan, summary
 from gradaccum.train.batch_state import BatchState
 from gradaccum.train.checks import prepare
 from gradaccum.train.config import AUTO, TrainConfig
@@ -40,7 +40,7 @@ from gradaccum.train.evaluation import evaluate
 from gradaccum.train.evaluation import to_device as _to_device
 from gradaccum.train.recovery import OUT_OF_MEMORY, PEER_OUT_OF_MEMORY, STOP, Recovery, lost_rank
 from gradaccum.train.resolve import Resolved, resolve_run
-from gradaccum.train.rundir import payload, resume
+from gradaccum.train.rundir import best, payload, resume
 from gradaccum.train.rundir.metrics import read_metrics, window_record
 from gradaccum.train.rundir.outputs import Outputs
 from gradaccum.train.rundir.payload import RunState
@@ -122,6 +122,7 @@ class Run:
         """A --task sft run's data (`sft.SFTParts`); None for pretraining."""
         self.batches = self._make_batches(batch.micro_batch)
         self.window_examples = 0  # examples in the last window (--task sft), all ranks
+        self.sft_plan: sft_plan.SFTPlan | None = None  # --task sft: what its steps hold
         abandon = self.moe.abandon if self.moe is not None else None
         self.recovery = Recovery(
             self.acc, self.batches, batch, rank_info, self._shrunk, config.dist_timeout, abandon
@@ -218,11 +219,20 @@ class Run:
     def start(self) -> None:
         """Say what is about to happen, take the folder's lock, write config.yaml. No room on
         the disk for any of it: RunFailed in one line, and a new run's start leaves nothing."""
+        if self.sft is not None:
+            self.sft_plan = sft_plan.measure(
+                self.config,
+                self.sft.train,
+                self.batch.micro_batch,
+                self.rank_info.world_size,
+                self.batch.total,
+                self.resolved.warmup_steps,
+                fill_rows=self.moe is None,
+            )
         lines = summary.opening_lines(self)
         if self.sft is not None:
-            world = self.rank_info.world_size
             lines += self.sft.summary_lines()
-            lines += sft.plan_lines(self.config, self.sft, self.batch.micro_batch, world)
+            lines += sft.plan_lines(self.config, self.sft, self.batch.micro_batch)
         else:
             lines += parts.document_mask_lines(self.data)
         lines += self.moe.opening_lines() if self.moe is not None else []
@@ -267,6 +277,7 @@ class Run:
                     f"while finishing at step {self.acc.steps}; {self.outputs.kept()}"
                 ) from None
             finally:
+                self.outputs.close_trackers()  # when finishing failed before finish_trackers
                 self.outputs.lock.release()
 
     def _interrupt(self, err: KeyboardInterrupt) -> KeyboardInterrupt:
@@ -413,17 +424,23 @@ class Run:
         return self.is_main and (finished or bool(every and step % every == 0))
 
     def evaluate_now(self) -> None:
+        """Rank 0: the eval loss (and on the built-in SFT set exact match) into metrics.jsonl
+        and a progress line; with --save-best a loss lower than any before makes this step's
+        checkpoint the best (`save_best`). Nothing without an eval set (a single SFT
+        example, --eval-fraction 0)."""
         model, precision = parts.unwrapped(self.model), self.config.precision
         micro, step = self.batch.micro_batch, self.acc.steps
+        if not len(self.data.val):
+            return
         if self.sft is not None:
-            if not self.sft.val:  # a single example: nothing held out
-                return
             fields, lines = sft.evaluate(model, self.sft, micro, self.device, precision)
         else:
             loss = evaluate(model, self.data.val, micro, self.device, precision, self.data.eod_id)
             fields, lines = {"eval_loss": loss}, [f"eval loss {loss:.4f}"]
         record = {"step": step, "tokens": self.batch.tokens, **fields}
         self.write_record({**record, "elapsed_s": self.clock.elapsed()})
+        if self.config.save_best and self.outputs.best.improved_by(fields["eval_loss"]):
+            lines[0] += self.save_best(fields["eval_loss"])
         self.progress.note(f"step {step}: {lines[0]}")
         for line in lines[1:]:
             self.progress.note(line)
@@ -434,13 +451,24 @@ class Run:
         """Everything but the weights that the run needs to continue exactly (`payload`)."""
         return payload.trainer_state(self)
 
+    def checkpoint_contents(self) -> tuple[dict, dict]:
+        """What a checkpoint of the run as it stands holds: (model state_dict, trainer state)."""
+        return parts.unwrapped(self.model).state_dict(), self.trainer_state()
+
     def save(self) -> None:
         """A checkpoint of the last finished window, unless one of it exists (`Outputs.save`)."""
+        contents, config = self.checkpoint_contents, self.model_info.config
+        self.outputs.save(self.acc.steps, contents, config, self.progress.note)
 
-        def contents() -> tuple[dict, dict]:
-            return parts.unwrapped(self.model).state_dict(), self.trainer_state()
-
-        self.outputs.save(self.acc.steps, contents, self.model_info.config, self.progress.note)
+    def save_best(self, eval_loss: float) -> str:
+        """--save-best, rank 0, after an evaluation at a new lowest `eval_loss`: this step's
+        checkpoint written now as the best (`Outputs.save_best`); the words the eval line
+        ends with."""
+        found = best.Best(self.acc.steps, eval_loss, best.eval_set_fingerprint(self))
+        contents, config = self.checkpoint_contents, self.model_info.config
+        if self.outputs.save_best(found, contents, config, self.progress.note):
+            return ", the best so far (checkpoint kept)"
+        return ", the best so far (its checkpoint not written)"
 
     def finish(self, stopped: str | None) -> dict:
         """Export the model (a finished run only), plot the losses, return the summary, with
@@ -458,13 +486,17 @@ class Run:
                 tokenizer = self.sft.tokenizer_dir if self.sft is not None else None
                 model, at = parts.unwrapped(self.model), f"step {step}/{self.batch.total}"
                 files += outputs.export_model(model, self.model_info, tokenizer, at)
+                if config.save_best:  # after the final export: its weights are loaded over
+                    files += outputs.export_best(model, self.model_info, tokenizer, step, at)
             title = summary.plot_title(records, self)
             files += summary.plot(records, outputs, self.data.info.entropy_floor, title)
-            if config.tensorboard and "tensorboard/" not in outputs.not_written:
-                files.append("tensorboard/")
+            files += outputs.finish_trackers(self.console.say)  # the plots to them, closed
             files += ["checkpoints/"] if outputs.saved_step is not None else []
         noise = self.acc.noise.last if self.acc.noise is not None else None
         line = summary.critical_batch_line(noise, self.batch.tokens_per_step)
+        if line:
+            self.console.say(line)
+        line = summary.best_line(self, f"{best.BEST_FOLDER}/" in files)
         if line:
             self.console.say(line)
         result = summary.summary(self, records, stopped, time.perf_counter() - self.clock.started)

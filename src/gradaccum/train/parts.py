@@ -15,14 +15,14 @@ from dataclasses import dataclass
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from gradaccum.data.tokens import DataInfo, TokenDataset, load_tokens
+from gradaccum.data.tokens import DataInfo, TokenDataset
 from gradaccum.hf import packed_positions_supported
 from gradaccum.models.build import build_model
 from gradaccum.models.checkpointing import set_checkpointing
 from gradaccum.models.info import ModelInfo
 from gradaccum.models.optimizer import adamw
 from gradaccum.parallel.process_group import RankInfo
-from gradaccum.train import adapters, moe, sft
+from gradaccum.train import adapters, eval_set, moe, sft
 from gradaccum.train.config import TrainConfig
 from gradaccum.utils.errors import BadInput, first_line
 
@@ -44,12 +44,13 @@ class Data:
 
 
 def load_data(config: TrainConfig) -> Data | sft.SFTParts:
-    """--data read and split (`load_tokens`; with --task sft, `sft.load_data`: examples);
-    BadInput naming --data when it cannot be."""
+    """--data read and split, or all of it and --eval-data (`eval_set.pretrain_tokens`; with
+    --task sft, `sft.load_data`: examples); BadInput naming --data (or --eval-data) when it
+    cannot be."""
     try:
         if config.task == "sft":
             return sft.load_data(config)
-        data = Data(*load_tokens(config.data, config.seq_len, config.seed))
+        data = Data(*eval_set.pretrain_tokens(config))  # --eval-data, --eval-fraction
     except BadInput:
         raise
     except (ValueError, OSError, ImportError) as err:

@@ -32,6 +32,10 @@ DEFAULT_EXAMPLES_PER_STEP = 32
 """--task sft: examples per optimizer step when neither --examples-per-step nor
 --tokens-per-step is given."""
 
+DEFAULT_SFT_EPOCHS = 3.0
+"""--task sft on --data with no --epochs, --max-steps or --max-tokens: passes over the
+training examples (TRL's num_train_epochs). The built-in set runs TASK_DEFAULTS' steps."""
+
 TASK_DEFAULTS = {
     "pretrain": {"micro_batch": "auto", "lr": 3e-3, "eval_every": 50},
     "sft": {"micro_batch": 16, "lr": 2e-3, "eval_every": 300, "max_steps": 1200},
@@ -56,7 +60,8 @@ class RunSettings:
     epochs: float | None = setting(None, "float", above=True)
     """Passes over the training examples (SFT) or sequences (pretraining), each in a new
     order seeded by (--seed, epoch), e.g. 2 or 0.5. With --max-steps or --max-tokens too, the
-    first reached ends the run; the plan says which."""
+    first reached ends the run; the plan says which. --task sft on --data with none of the
+    three: 3 (the built-in set: 1,200 steps)."""
     seed: int = setting(0, most=2**63)
     """Seed of the model's initialisation, the built-in data and the data order."""
     out: str | None = setting(None, "path", metavar="DIR", default_text="runs/<date>-<time>")

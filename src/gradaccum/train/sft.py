@@ -2,11 +2,13 @@
 
 What differs from pretraining, and only that, is here; the loop (`gradaccum.train.loop`) runs
 both tasks:
-- the data (`load_data`): the rows of --data (.jsonl, .json, .parquet, hf:NAME) or the
-  built-in instruction set (`gradaccum.data.sft.builtin`), tokenized by the model's tokenizer
-  (the built-in byte tokenizer for the built-in GPT, the --init-from folder's own with its
-  chat template for a Hugging Face folder) into examples whose targets are the completion
-  tokens (`gradaccum.data.sft.load`), and a held-out split (`split_heldout`);
+- the data (`load_data`): the rows of --data (.jsonl, .json, .parquet, a save_to_disk folder,
+  hf:NAME) or the built-in instruction set (`gradaccum.data.sft.builtin`), tokenized by the
+  model's tokenizer (the built-in byte tokenizer for the built-in GPT, the --init-from folder's
+  own with its chat template for a Hugging Face folder) into examples whose targets are the
+  completion tokens (`gradaccum.data.sft.load`), and the eval set: a held-out split
+  (`split_heldout`, --eval-fraction) or the examples of --eval-data
+  (`gradaccum.train.eval_set`);
 - the windows (`SFTStream`): --examples-per-step examples, or whole examples up to
   --tokens-per-step counted target tokens, per optimizer step, over all ranks, dealt to the
   ranks and cut into micro-batches as --packing says (`packing_of`): runs of --micro-batch
@@ -36,7 +38,6 @@ from gradaccum.data.sft.evaluation import exact_match, heldout_loss
 from gradaccum.data.sft.examples import Example
 from gradaccum.data.sft.load import SFTData, load_sft, tokenize_rows
 from gradaccum.data.sft.packed import Packing, packed_window
-from gradaccum.data.sft.packing import bucket_lengths
 from gradaccum.data.sft.rows import rows_from_dicts
 from gradaccum.data.sft.windows import SFTBatches, split_heldout
 from gradaccum.data.tokenizers import ByteTokenizer, load_tokenizer
@@ -44,16 +45,16 @@ from gradaccum.data.tokens import DataInfo
 from gradaccum.engine.precision import autocast_dtype
 from gradaccum.models.gpt import GPT_MODEL_TYPE
 from gradaccum.parallel import devices
+from gradaccum.train import eval_set
 from gradaccum.train.config import TrainConfig
 from gradaccum.train.epochs import epoch_stop
 from gradaccum.train.epochs import length_line as epochs_length_line
 from gradaccum.train.settings import TASK_DEFAULTS
 from gradaccum.utils.errors import BadInput
 
-HELDOUT_FRACTION = 0.05
-"""Share of the examples held out for evaluation (at least one, when there are two or more)."""
 HELDOUT_MAX = 500
-"""Most examples held out: enough for an exact-match rate to two decimals, quick to generate."""
+"""Most examples held out by the default --eval-fraction (`eval_set.DEFAULT_FRACTION`):
+enough for an exact-match rate to two decimals, quick to generate."""
 PLAN_WINDOWS = 64
 """Windows of the data order read ahead to state a --tokens-per-step run's examples per step."""
 SAMPLES = 3
@@ -67,7 +68,8 @@ class SFTParts:
 
     train: list[Example]
     val: list[Example]
-    """The held-out examples (none when the data holds a single example)."""
+    """The examples to evaluate on: --eval-data's, or those held out of --data (none when it
+    holds a single example, or with --eval-fraction 0)."""
     info: DataInfo
     """Source, vocabulary (the tokenizer's), token counts and the fingerprint a resume checks."""
     tokenizer: object
@@ -78,11 +80,19 @@ class SFTParts:
     """What was read: rows, bad rows, truncated and dropped examples, lengths."""
     builtin: bool
     """Whether this is the built-in instruction set (whose answers a program checks)."""
+    eval_sft: SFTData | None = None
+    """What was read of --eval-data; None: the eval set is held out of --data."""
 
     def summary_lines(self) -> list[str]:
-        """The start-of-run lines about the data (`SFTData.summary_lines`) and the split."""
-        return self.sft.summary_lines() + [
-            f"  {len(self.train)} examples to train on, {len(self.val)} held out; "
+        """The start-of-run lines about the data (`SFTData.summary_lines`), the eval data's
+        and the split."""
+        lines, held = self.sft.summary_lines(), "held out"
+        if self.eval_sft is not None:
+            lines += ["eval " + line if i == 0 else line
+                      for i, line in enumerate(self.eval_sft.summary_lines())]  # fmt: skip
+            held = "to evaluate on (--eval-data)"
+        return lines + [
+            f"  {len(self.train)} examples to train on, {len(self.val)} {held}; "
             f"tokenizer {self.tokenizer.origin}"
         ]
 
@@ -112,8 +122,9 @@ def _model_type(folder: str) -> str | None:
 
 
 def load_data(config: TrainConfig) -> SFTParts:
-    """The run's examples: read, tokenized, split. BadInput (one line naming --data and the
-    row, or the folder of the tokenizer) on bad input."""
+    """The run's examples: read, tokenized, split by --eval-fraction, or all of --data to
+    train on and --eval-data's to evaluate on. BadInput (one line naming --data or
+    --eval-data and the row, or the folder of the tokenizer) on bad input."""
     tokenizer, tokenizer_dir = tokenizer_for(config)
     options = dict(
         seq_len=config.seq_len,
@@ -126,21 +137,34 @@ def load_data(config: TrainConfig) -> SFTParts:
         rows = rows_from_dicts(builtin_rows(config.seed), SOURCE)
         data = tokenize_rows(rows, tokenizer, source=SOURCE, **options)
     else:
-        data = load_sft(config.data, tokenizer, **options)
-    n = len(data.examples)
-    count = min(HELDOUT_MAX, max(1, round(HELDOUT_FRACTION * n))) if n >= 2 else 0
-    train, val = split_heldout(data.examples, count, seed=config.seed, flag="--data")
+        data = load_sft(config.data, tokenizer, split=config.data_split, **options)
+    held = None  # --eval-data's examples: read and tokenized as --data's
+    if config.eval_data is not None:
+        with eval_set.reading_eval_data():
+            held = load_sft(config.eval_data, tokenizer, split=config.data_split, **options)
+        train, val = data.examples, held.examples
+    else:
+        count = eval_set.heldout_count(config, len(data.examples), HELDOUT_MAX)
+        train, val = split_heldout(data.examples, count, seed=config.seed, flag="--data")
+    if config.save_best and not val:
+        raise BadInput(
+            "--save-best",
+            None,
+            f"needs an eval set: --data {config.data} holds a single example, none held "
+            "out; give --eval-data",
+        )
     info = DataInfo(
         source=data.source,
         vocab_size=tokenizer.vocab_size,
         entropy_floor=None,
-        num_tokens=sum(e.length for e in data.examples),
+        num_tokens=sum(e.length for e in train + val),
         train_tokens=sum(e.length for e in train),
         val_tokens=sum(e.length for e in val),
         eod_token=tokenizer.eos_id,
         fingerprint=fingerprint(train, val),
     )
-    return SFTParts(train, val, info, tokenizer, tokenizer_dir, data, config.data is None)
+    builtin = config.data is None and held is None  # answers a program can check
+    return SFTParts(train, val, info, tokenizer, tokenizer_dir, data, builtin, held)
 
 
 def fingerprint(train: list[Example], val: list[Example]) -> str:
@@ -246,13 +270,7 @@ class SFTStream:
         # Positions per example of the micro-batch: out-of-memory recovery shrinks the
         # micro-batch, and the budget with it.
         self._per_example = budget / micro_batch
-        # --compile: few shapes (length buckets, full micro-batches of rows); otherwise the
-        # least padding, and padding-free rows as narrow as their examples allow (a block
-        # mask computes each row's full width^2 attention).
-        self._fixed_rows = config.compile and (fill_rows or self.mode != "window")
-        buckets = tuple(bucket_lengths(config.seq_len))
-        self._buckets = buckets if config.compile else None
-        self._row_buckets = None if config.compile else buckets
+        self._compile, self._fill_rows = config.compile, fill_rows
 
     @property
     def micro_batch(self) -> int:
@@ -264,14 +282,7 @@ class SFTStream:
         if self.mode == "none":
             return None
         budget = max(1, round(self.micro_batch * self._per_example))
-        return Packing(
-            self.mode,
-            budget,
-            self.seq_len,
-            self._buckets,
-            self._fixed_rows,
-            self._row_buckets,
-        )
+        return Packing.of_run(self.mode, budget, self.seq_len, self._compile, self._fill_rows)
 
     @property
     def position(self) -> tuple[int, int]:
@@ -309,7 +320,8 @@ class SFTStream:
 def stop_of(config: TrainConfig, examples: list[Example]) -> int | None:
     """Examples of the data order a run of --epochs trains on (`epochs.epoch_stop`); None
     without --epochs."""
-    return None if config.epochs is None else epoch_stop(config.epochs, len(examples))
+    epochs = config.run_epochs
+    return None if epochs is None else epoch_stop(epochs, len(examples))
 
 
 def _ahead(config: TrainConfig, examples: list[Example], stop: int | None = None) -> SFTBatches:
@@ -357,10 +369,12 @@ def total_steps(config: TrainConfig, examples: list[Example]) -> int:
 def length_line(config: TrainConfig, examples: list[Example]) -> str:
     """The plan's line on the run's length in steps and epochs, and what ends it."""
     found = lengths(config, examples)
-    values = {"--epochs": config.epochs, "--max-tokens": config.max_tokens}
+    values = {"--epochs": config.run_epochs, "--max-tokens": config.max_tokens}
     given = {flag: f"{values.get(flag, config.max_steps):,}" for flag in found}
-    if config.epochs is not None:
-        given["--epochs"] = f"{config.epochs:g}"
+    if config.run_epochs is not None:
+        given["--epochs"] = f"{config.run_epochs:g}"
+        if config.epochs_defaulted:
+            given["--epochs"] += " (the default on --data when no --epochs, --max-steps or --max-tokens)"
     default = TASK_DEFAULTS["sft"]["max_steps"]
     if list(found) == ["--max-steps"] and config.max_steps == default:
         given["--max-steps"] += " (the default when no --epochs, --max-steps or --max-tokens)"
@@ -456,24 +470,12 @@ CUTS = {
 """--packing's cut of a window, in the words of the plan line."""
 
 
-def plan_lines(
-    config: TrainConfig, parts: SFTParts, micro_batch: int, world_size: int
-) -> list[str]:
-    """What an SFT step holds, after the plan's table (whose tokens are the --seq-len bound)."""
-    per_step = examples_per_step(config, parts.train)
+def plan_lines(config: TrainConfig, parts: SFTParts, micro_batch: int) -> list[str]:
+    """How --packing cuts a window, after the plan's table (`sft_plan`), and a warning when
+    the first window is over --tokens-per-step."""
     ahead = _ahead(config, parts.train)
-    targets = []
-    for _ in range(PLAN_WINDOWS):
-        indices = ahead.next_indices()
-        ahead.position += len(indices)
-        targets.append(int(ahead.targets[indices].sum()))
+    first = int(ahead.targets[ahead.next_indices()].sum())
     what = "prompt and completion" if config.train_on_prompt else "completion"
-    batch = (
-        f"{config.examples_per_step} examples per step"
-        if config.examples_per_step is not None
-        else f"whole examples up to {config.tokens_per_step:,} counted tokens per step "
-        f"(about {per_step:.1f} examples)"
-    )
     mode = packing_of(config)
     budget = config.micro_batch_tokens or micro_batch * config.seq_len
     cut = CUTS[mode].format(
@@ -486,13 +488,9 @@ def plan_lines(
         rowed="" if config.compile else " (narrower rows for shorter examples: length buckets)",
     )
     given = "" if config.packing else " (the default for this model)"
-    k = "ceil(examples per rank / micro-batch)" if mode == "none" else "from the budget"
     return [
-        f"sft    {batch}, micro-batch {micro_batch} x {world_size} rank(s), k {k}; about "
-        f"{sum(targets) / len(targets):,.0f} counted ({what}) tokens per step over the first "
-        "windows (the table's tokens are the --seq-len bound)",
-        f"       --packing {mode}{given}: {cut}; the same update in every mode",
-    ] + _over_budget_lines(config, ahead, targets[0], what)
+        f"sft    --packing {mode}{given}: {cut}; the same update in every mode",
+    ] + _over_budget_lines(config, ahead, first, what)
 
 
 def _over_budget_lines(config: TrainConfig, ahead: SFTBatches, first: int, what: str) -> list:

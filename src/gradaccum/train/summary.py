@@ -8,8 +8,9 @@ import os
 from typing import TYPE_CHECKING
 
 from gradaccum.plan.sizes import fmt_count
-from gradaccum.train import adapters, sft
+from gradaccum.train import adapters, sft, sft_plan
 from gradaccum.train.epochs import pretrain_length_line
+from gradaccum.train.rundir.best import BEST_FOLDER
 from gradaccum.train.rundir.metrics import plot_loss
 from gradaccum.train.rundir.outputs import Outputs
 from gradaccum.utils.errors import DiskFull
@@ -25,8 +26,11 @@ def opening_lines(run: Run) -> list[str]:
     info, floor = run.data.info, run.data.info.entropy_floor
     resumed = run.outputs.resumed_at is not None
     at = f", resuming at step {run.acc.steps}" if resumed else ""
+    table = run.resolved.table
+    if run.sft_plan is not None:  # what the fine-tuning steps hold, not --seq-len sequences
+        table = sft_plan.render(sft_plan.rows(run.sft_plan, config, run.resolved.plan))
     lines = [
-        run.resolved.table,
+        table,
         f"model  {model_info.source}: {model_info.params:,} parameters",
         f"data   {info.source}: vocab {info.vocab_size}, ln V = {math.log(info.vocab_size):.3f}"
         + (f", entropy floor {floor:.3f} nats/token" if floor is not None else ""),
@@ -143,15 +147,34 @@ def critical_batch_line(noise, tokens_per_step: int) -> str | None:
     )
 
 
+def best_line(run: Run, exported: bool) -> str | None:
+    """With --save-best: the best step, its eval loss and where its model is (`exported` as
+    best/, else its checkpoint); None without --save-best."""
+    config, best = run.config, run.outputs.best
+    if not config.save_best or not run.is_main:
+        return None
+    if best.step is None:
+        return "best   none: no evaluation gave a finite eval loss"
+    only_end = config.eval_every == 0 and best.step == run.batch.total
+    final = " = the final model (--eval-every 0: only the end is evaluated)" * only_end
+    where = f"exported to {BEST_FOLDER}/" if exported else f"checkpoint {best.folder(config.out)}"
+    return (
+        f"best   step {best.step}/{run.batch.total}{final}, lowest eval loss "
+        f"{best.eval_loss:.4f}: {where}"
+    )
+
+
 def summary(run: Run, records: list[dict], stopped: str | None, wall_s: float) -> dict:
     """The --json object of `run` after its `acc.steps` optimizer steps, `stopped` by what
     (None: finished); `records`: metrics.jsonl's. Losses are nats per token: initial_loss of
     the run's first window, final_loss of its last, final_eval_loss on the held-out split.
     tokens_per_s counts only time inside training windows (not eval, saving or start-up);
-    wall_s is this process's whole time. Ranks other than 0 read no metrics and report no
+    wall_s is this process's whole time. best_step and best_eval_loss: --save-best's
+    checkpoint (None without it, or before a finite eval loss). Ranks other than 0 read no metrics and report no
     losses."""
     config, state, batch, steps = run.config, run.state, run.batch, run.acc.steps
     data_info, noise = run.data.info, run.acc.noise.last if run.acc.noise is not None else None
+    best = run.outputs.best  # --save-best's, known to rank 0
     train_lines = [r for r in records if "loss" in r]
     eval_lines = [r for r in records if "eval_loss" in r]
     sft = config.task == "sft"
@@ -182,5 +205,8 @@ def summary(run: Run, records: list[dict], stopped: str | None, wall_s: float) -
         "precision": config.precision,
         "stopped": stopped,
         "noise_scale_tokens": critical_tokens(noise),
+        "best_step": best.step if config.save_best else None,
+        "best_eval_loss": best.eval_loss if config.save_best else None,
         "out": config.out,
+        "plan": run.sft_plan.to_dict() if run.sft_plan is not None else None,  # --task sft
     }

@@ -3,6 +3,7 @@ takes (their defaults are `gradaccum.train.settings.TASK_DEFAULTS`). No torch, n
 
 from __future__ import annotations
 
+from gradaccum.data.settings import DEFAULT_SPLIT
 from gradaccum.utils.errors import BadInput, flag_name
 
 
@@ -33,6 +34,12 @@ def check_task(config) -> None:
                     "only with --task sft (pretraining batches --tokens-per-step of a "
                     "token stream)",
                 )
+        if config.data_split != DEFAULT_SPLIT:
+            raise BadInput(
+                "--data-split",
+                config.data_split,
+                "only with --task sft (pretraining names its split as hf:NAME:SPLIT)",
+            )
         if config.eod_id is not None and not config.document_mask:
             raise BadInput("--eod-id", config.eod_id, "needs --document-mask")
         return

@@ -1,6 +1,7 @@
-"""The case `gradaccum verify` checks: the model from --model or --model-config with its loss
-and token count, the window it is fed (ragged token sequences, or --task sft examples), and
-the runs beyond that window: N gloo ranks against one process, and the precision study."""
+"""The case `gradaccum verify` checks: the model from --model, --model-config or --init-from
+with its loss, token count, tokenizer and precision, the window it is fed (ragged token
+sequences, or --task sft examples), and the runs beyond that window: N gloo ranks against one
+process, and the precision study."""
 
 from __future__ import annotations
 
@@ -23,11 +24,14 @@ from gradaccum.verification.equivalence import EquivalenceSetup, check_equivalen
 from gradaccum.verification.lint import quiet_rng
 from gradaccum.verification.moe_check import check_mode
 from gradaccum.verification.precision_study import derive_tolerances, precision_study, write_plot
-from gradaccum.verification.sft import SFTWindow, sft_window
+from gradaccum.verification.sft import Reading, SFTWindow, read_examples, sft_window
 
 BUILTIN_VOCAB = 256
 SFT_VOCAB = ByteTokenizer.vocab_size
-"""--task sft: byte tokens and EOS (`gradaccum.data.tokenizers.ByteTokenizer`)."""
+"""--task sft without --init-from: byte tokens and EOS
+(`gradaccum.data.tokenizers.ByteTokenizer`)."""
+WEIGHT_PRECISIONS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+"""The --precision a folder's 16-bit weights are checked in when --precision is not given."""
 
 
 # ---- models (module-level and picklable: the ranks of --world-size build them too) ----------
@@ -49,6 +53,15 @@ def hf_causal_lm(seed: int, path: str):
     return model
 
 
+def folder_model(seed: int, path: str, dtype: str):
+    """The model of an --init-from folder with its own weights (`seed` draws nothing: the
+    ranks take the signature of the other factories), in `dtype` ("auto": as stored, "fp32"),
+    dropout off (`hf_causal_lm`)."""
+    model = build_model(init_from=path, dtype=dtype)[0]
+    quiet_rng(model)
+    return model
+
+
 @dataclass
 class Case:
     """The model under check and how to feed it."""
@@ -62,29 +75,46 @@ class Case:
     shifted: bool
     info: object
     """The model's `ModelInfo` (parameters, layers, width, vocabulary)."""
+    tokenizer: object = None
+    """--task sft: the tokenizer its examples are read with (the --init-from folder's, else
+    bytes); None for --task pretrain, which draws token ids."""
+    precision: str = "fp32"
+    """The engine's precision: --precision, or where not given the dtype the --init-from
+    folder's weights are stored in (`WEIGHT_PRECISIONS`), else fp32."""
 
 
 def build_case(args, sizes: dict) -> Case:
-    """The model of --model or --model-config, seeded as the ranks build it; `sizes`: the
-    window's (`cli/verify.parse_sizes`)."""
-    seed, seq_len = sizes["seed"], sizes["seq_len"]
+    """The model of --model, --model-config or --init-from, seeded as the ranks build it (a
+    folder keeps its own weights); `sizes`: the window's (`cli/verify.parse_sizes`)."""
     sft = getattr(args, "task", "pretrain") == "sft"
-    vocab = SFT_VOCAB if sft else BUILTIN_VOCAB
+    init_from = getattr(args, "init_from", None)
     try:
-        if args.model_config is not None:
-            model, info = build_model(config_path=args.model_config, seq_len=seq_len)
-            factory = functools.partial(hf_causal_lm, path=args.model_config)
-            loss_fn, count, shifted = hf.loss_fn, hf.count_tokens, False
+        if init_from is not None:
+            case = _folder_case(args, sizes["seq_len"], sft)
         else:
-            model, info = build_model(preset=args.model, vocab_size=vocab, seq_len=seq_len)
-            factory = functools.partial(
-                builtin_gpt, preset=args.model, vocab_size=vocab, seq_len=seq_len
-            )
-            loss_fn, count, shifted = causal_lm_loss, "auto", True
+            case = _seeded_case(args, sizes, sft)
     except BadInput:
         raise
     except ValueError as err:  # the model's own one-line reason, naming the flag
         raise BadInput(str(err)) from None
+    case.precision = getattr(args, "precision", None) or _weights_precision(case.model)
+    return case
+
+
+def _seeded_case(args, sizes: dict, sft: bool) -> Case:
+    """--model or --model-config: random weights drawn from the seed, byte tokens for SFT."""
+    seed, seq_len = sizes["seed"], sizes["seq_len"]
+    vocab = SFT_VOCAB if sft else BUILTIN_VOCAB
+    if args.model_config is not None:
+        model, info = build_model(config_path=args.model_config, seq_len=seq_len)
+        factory = functools.partial(hf_causal_lm, path=args.model_config)
+        loss_fn, count, shifted = hf.loss_fn, hf.count_tokens, False
+    else:
+        model, info = build_model(preset=args.model, vocab_size=vocab, seq_len=seq_len)
+        factory = functools.partial(
+            builtin_gpt, preset=args.model, vocab_size=vocab, seq_len=seq_len
+        )
+        loss_fn, count, shifted = causal_lm_loss, "auto", True
     if sft and info.vocab_size < SFT_VOCAB:
         raise BadInput(
             "--model-config",
@@ -94,7 +124,54 @@ def build_case(args, sizes: dict) -> Case:
         )
     model.load_state_dict(factory(seed).state_dict())  # the seeded weights the ranks build
     words = f"{info.source} ({info.params:,} parameters)"
-    return Case(model, words, info.vocab_size, factory, loss_fn, count, shifted, info)
+    tokenizer = ByteTokenizer() if sft else None
+    return Case(model, words, info.vocab_size, factory, loss_fn, count, shifted, info, tokenizer)
+
+
+def _folder_case(args, seq_len: int, sft: bool) -> Case:
+    """--init-from: the folder's model with its weights, loaded in the dtype they are stored
+    in unless --precision fp32 asks for fp32 (`gradaccum.models.build.build_model`, as `train`
+    loads it), and for SFT its tokenizer as `train --task sft` reads it
+    (`gradaccum.train.sft.tokenizer_for`: the folder's own, bytes for a built-in GPT's
+    checkpoint)."""
+    from gradaccum.train.sft import tokenizer_for  # the trainer's rule, imported when used
+
+    tokenizer = tokenizer_for(args)[0] if sft else None
+    dtype = "fp32" if getattr(args, "precision", None) == "fp32" else "auto"
+    vocab = tokenizer.vocab_size if tokenizer is not None else None
+    model, info = build_model(
+        init_from=args.init_from, vocab_size=vocab, seq_len=seq_len, dtype=dtype
+    )
+    factory = functools.partial(folder_model, path=args.init_from, dtype=dtype)
+    if info.kind == "hf":
+        loss_fn, count, shifted = hf.loss_fn, hf.count_tokens, False
+    else:
+        loss_fn, count, shifted = causal_lm_loss, "auto", True
+    words = f"{info.source} ({info.params:,} parameters)"
+    return Case(model, words, info.vocab_size, factory, loss_fn, count, shifted, info, tokenizer)
+
+
+def _weights_precision(model: torch.nn.Module) -> str:
+    """The precision of a model's 16-bit weights (`WEIGHT_PRECISIONS`), else fp32."""
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    return next((WEIGHT_PRECISIONS[d] for d in WEIGHT_PRECISIONS if d in dtypes), "fp32")
+
+
+def check_beyond_window(case: Case, sizes: dict, study: bool) -> None:
+    """--world-size and --precision-study run the model in fp32: refused in one line for a
+    folder loaded with 16-bit weights."""
+    dtypes = {p.dtype for p in case.model.parameters()}
+    low = sorted(name for dtype, name in WEIGHT_PRECISIONS.items() if dtype in dtypes)
+    if not low:
+        return
+    why = (
+        f"runs on fp32 weights; the --init-from folder's are {', '.join(low)} (--precision "
+        "fp32 loads them in fp32)"
+    )
+    if sizes["world_size"] > 1:
+        raise BadInput("--world-size", sizes["world_size"], why)
+    if study:
+        raise BadInput("--precision-study: " + why)
 
 
 def moe_mode(args, case: Case) -> str | None:
@@ -117,17 +194,29 @@ def moe_mode(args, case: Case) -> str | None:
 
 
 def sft_examples(args, case: Case, sizes: dict, seed: int) -> SFTWindow:
-    """--task sft: k x micro-batch examples as `gradaccum train --task sft` reads them."""
+    """--task sft: k x micro-batch examples as `gradaccum train --task sft` reads them, with
+    the case's tokenizer and the trainer's reading options."""
+    tok = case.tokenizer
+    reading = Reading(
+        seq_len=sizes["seq_len"],
+        tokenizer=tok,
+        data_split=args.data_split,
+        data_format=args.data_format,
+        train_on_prompt=args.train_on_prompt,
+        drop_long=args.drop_long,
+        skip_bad_rows=args.skip_bad_rows,
+    )
+    examples = read_examples(args.data, reading, seed, sizes["k"] * sizes["micro_batch"])
     layout = "shifted" if case.shifted else "unshifted"
     return sft_window(
-        args.data,
-        sizes["k"],
-        sizes["micro_batch"],
-        sizes["seq_len"],
+        examples,
+        tok.pad_id,
+        sizes,
         seed,
         layout,
         args.packing,
         args.micro_batch_tokens,
+        tok.origin,
     )
 
 

@@ -116,8 +116,19 @@ class VerifyReport:
     """A mixture of experts: cross-entropy plus the load-balancing loss in the balance
     checked, against the big batch's (`verification.moe_check`); None for a dense model."""
 
+    def checks(self) -> list[dict]:
+        """Each check that decides `passed`, as `check_row` gives it: "gradient" (the
+        window's, `max_rel_err`) and, for a mixture of experts, "moe" (with its balance)."""
+        rows = [check_row("gradient", self.max_rel_err, self.tolerance)]
+        if self.moe is not None:
+            moe = self.moe
+            rows.append(check_row("moe", moe.grad_rel_err, moe.tolerance, moe.passed))
+        return rows
+
     def to_dict(self) -> dict:
-        """The fields the CLI's --json prints, plus per-parameter rows and notes."""
+        """The fields the CLI's --json prints, plus per-parameter rows and notes. Its
+        `max_rel_err` and `tolerance` are the worst check's (`verdict`): for a mixture of
+        experts whose balance fails, the balance's, not the cross-entropy's alone."""
         out = {
             key: getattr(self, key)
             for key in ("passed", "tolerance", "precision", "micro_steps", "tokens")
@@ -134,11 +145,42 @@ class VerifyReport:
             notes=list(self.notes),
             moe=None if self.moe is None else asdict(self.moe),
         )
+        out.update(verdict(self.checks()))
         return out
 
     def to_json(self) -> str:
         """`to_dict` as JSON text; a non-finite number becomes null."""
         return json.dumps(finite(self.to_dict()), indent=2)
+
+
+def check_row(name: str, err: float, tolerance: float, passed: bool | None = None) -> dict:
+    """One check that decides verify's verdict: its name, its largest relative error, the
+    tolerance it is held to and whether it passed (default: err within the tolerance; NaN
+    fails)."""
+    ok = err <= tolerance if passed is None else passed
+    return {"check": name, "max_rel_err": err, "tolerance": tolerance, "passed": bool(ok)}
+
+
+def verdict(checks: list[dict]) -> dict:
+    """The top-level fields of --json over `checks` (`check_row`s): `passed` (every check
+    passed), and the worst check's `max_rel_err`, `tolerance` and name (`max_rel_err_check`):
+    a failing check before a passing one, then the largest error relative to its tolerance
+    (a non-finite error the largest). With all checks held to one tolerance, that is the
+    largest error, and `passed` is `max_rel_err <= tolerance`."""
+
+    def badness(row: dict) -> tuple[bool, float]:
+        err = row["max_rel_err"]
+        ratio = err / row["tolerance"] if math.isfinite(err) else math.inf
+        return (not row["passed"], ratio)
+
+    worst = max(checks, key=badness)  # the first of equals: "gradient" leads
+    return {
+        "passed": all(row["passed"] for row in checks),
+        "max_rel_err": worst["max_rel_err"],
+        "tolerance": worst["tolerance"],
+        "max_rel_err_check": worst["check"],
+        "checks": checks,
+    }
 
 
 # ---- verify -----------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict
 
-from gradaccum.verification.check import TOLERANCE_SOURCE, WRONG_WAYS
+from gradaccum.verification.check import TOLERANCE_SOURCE, WRONG_WAYS, check_row, verdict
 from gradaccum.verification.precision_study import StudyPoint, study_table
 from gradaccum.verification.sft import SFTWindow
 
@@ -16,17 +16,25 @@ W = 66  # width of the label column of the tables
 # ---- --json ---------------------------------------------------------------------------------
 
 
+def all_checks(report, world: list[dict]) -> list[dict]:
+    """The checks deciding verify's verdict (`check.check_row`s): the window's gradient, a
+    mixture of experts' balance (`VerifyReport.checks`), each wrapper of --world-size."""
+    return report.checks() + [world_check_row(w) for w in world]
+
+
 def report_json(
     report,
-    passed: bool,
     world: list[dict],
     task: str,
     window: SFTWindow | None,
     study: dict | None,
 ) -> dict:
     """What --json prints: the engine's report, the verdict over it and the ranks, the rows of
-    --world-size (`world_row`), the SFT window's counts and the precision study."""
-    out = {**report.to_dict(), "passed": passed, "world": world, "task": task}
+    --world-size (`world_row`), the SFT window's counts and the precision study. The top-level
+    `max_rel_err`, `tolerance` and `max_rel_err_check` are those of the worst of the checks
+    deciding `passed` (`check.verdict`): the window's gradient, a mixture of experts' balance,
+    each wrapper of --world-size."""
+    out = {**report.to_dict(), **verdict(all_checks(report, world)), "world": world, "task": task}
     if window is not None:
         out["sft_window"] = window_dict(window)
     if study is not None:
@@ -51,6 +59,15 @@ def world_row(report) -> dict:
         "tokens_expected": report.tokens_expected,
         "reference": report.reference,
     }
+
+
+def world_check_row(row: dict) -> dict:
+    """A wrapper of --world-size as a check (`check.check_row`): its gradient's or loss's
+    error, whichever is larger, and its verdict (which also holds its AdamW step within
+    `step_tolerance` and its token counts to the single process's)."""
+    err = max(row["grad_rel_err"], row["loss_rel_err"])
+    name = f"{row['wrapper']} on {row['world_size']} ranks"
+    return check_row(name, err, row["tolerance"], row["passed"])
 
 
 def window_dict(window: SFTWindow) -> dict:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from gradaccum.data.settings import DEFAULT_SPLIT
 from gradaccum.data.sft.examples import (
     IGNORE_INDEX,
     Example,
@@ -23,7 +24,15 @@ from gradaccum.data.sft.examples import (
     make_example,
     tokenize_item,
 )
-from gradaccum.data.sft.rows import BadRow, Chat, Row, detect_format, parse_row, read_rows
+from gradaccum.data.sft.rows import (
+    BadRow,
+    Chat,
+    Row,
+    detect_format,
+    parse_row,
+    read_rows,
+    source_name,
+)
 from gradaccum.data.tokenizers import require_chat_template
 from gradaccum.utils.errors import BadInput
 
@@ -131,9 +140,11 @@ class SFTData:
         return lines
 
 
-def load_sft(spec: str, tokenizer, **options) -> SFTData:
-    """Read `--data spec` and tokenize it: `tokenize_rows(read_rows(spec), ...)`."""
-    return tokenize_rows(read_rows(spec), tokenizer, source=spec, **options)
+def load_sft(spec: str, tokenizer, split: str = DEFAULT_SPLIT, **options) -> SFTData:
+    """Read `--data spec` (`split`: --data-split) and tokenize it:
+    `tokenize_rows(read_rows(spec, split), ...)`."""
+    rows = read_rows(spec, split)
+    return tokenize_rows(rows, tokenizer, source=source_name(spec, split), **options)
 
 
 def tokenize_rows(

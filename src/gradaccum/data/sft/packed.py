@@ -64,6 +64,25 @@ class Packing:
         """Padding-free rows per micro-batch."""
         return max(1, self.budget // self.row_tokens)
 
+    @classmethod
+    def of_run(
+        cls, mode: str, budget: int, seq_len: int, compile: bool = False, fill_rows: bool = True
+    ) -> Packing:
+        """The cut `gradaccum train` makes: with --compile few shapes (length buckets, full
+        micro-batches of rows; `fill_rows` False leaves a window micro-batch's rows unfilled,
+        as a mixture of experts' balance needs); otherwise the least padding, padding-free
+        rows as narrow as their examples allow (a block mask computes each row's full
+        width^2 attention)."""
+        buckets = tuple(packer.bucket_lengths(seq_len))
+        return cls(
+            mode,
+            budget,
+            seq_len,
+            buckets if compile else None,
+            compile and (fill_rows or mode != "window"),
+            None if compile else buckets,
+        )
+
 
 def deal_by_tokens(
     indices: Sequence[int], lengths: Sequence[int], world_size: int

@@ -7,10 +7,15 @@ Sources (`read_rows(spec)`, `--data spec`):
   (the two wrappers data sets are commonly published in); a row is named by its index in
   the list, from 0 ("sft.json row 6", as `rows[6]`);
 - `PATH.parquet`: read with pyarrow (or pandas when pyarrow is missing); rows from 0;
-- `hf:NAME[:SPLIT]`: `datasets.load_dataset(NAME, split=SPLIT or "train")` from the local
-  cache only (offline, never the network; NAME may also be a local folder;
-  `gradaccum.data.hf_datasets`); rows from 0.
-`.txt`, `.bin` and `.npy` hold text or tokens for pretraining and are refused.
+- `FOLDER` written by `datasets`' `save_to_disk`: a `Dataset`'s rows, or those of the split
+  `split` (--data-split) of a `DatasetDict`; rows from 0 ("sft_dd/test row 6" for a split,
+  the split's own subfolder);
+- `hf:NAME[:SPLIT]`: a save_to_disk folder NAME as above (SPLIT, else `split`), or
+  `datasets.load_dataset(NAME, split=SPLIT or split)` from the local cache only (offline,
+  never the network; `gradaccum.data.hf_datasets`); rows from 0.
+`.txt`, `.bin` and `.npy` hold text or tokens for pretraining and are refused; so is a folder
+that save_to_disk did not write. Every command that reads SFT rows (train, verify) reads them
+here, so each takes every source.
 
 Formats (`detect_format`, or forced by `--data-format`), from the first readable row's fields:
 - `messages`: {"messages": [{"role": ..., "content": ...}, ...]}, roles system, user,
@@ -31,7 +36,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gradaccum.data.hf_datasets import load_hf_dataset
+from gradaccum.data.hf_datasets import folder_problem, load_hf_dataset, load_saved, saved_kind
+from gradaccum.data.settings import DEFAULT_SPLIT, SOURCES
 from gradaccum.utils.errors import BadInput, first_line
 
 __all__ = [
@@ -46,6 +52,7 @@ __all__ = [
     "parse_row",
     "read_rows",
     "rows_from_dicts",
+    "source_name",
 ]
 
 FORMATS = ("auto", "prompt-completion", "messages", "alpaca")
@@ -110,25 +117,26 @@ def alpaca_prompt(instruction: str, input_text: str = "") -> str:
 # ---- reading ------------------------------------------------------------------------------
 
 
-def read_rows(spec: str) -> list[Row]:
-    """The rows of `--data spec` (see the module docstring). Raises BadInput for a source
-    that cannot be read at all (no such file, pretraining data, not JSON, no rows); a row that
-    cannot be read (a malformed .jsonl line) comes back with `error` set."""
+def read_rows(spec: str, split: str = DEFAULT_SPLIT) -> list[Row]:
+    """The rows of `--data spec` (see the module docstring); `split`: --data-split, the split
+    of a DatasetDict (a save_to_disk folder, or hf:NAME naming none). Raises BadInput for a
+    source that cannot be read at all (no such file, pretraining data, not JSON, a missing
+    split, no rows); a row that cannot be read (a malformed .jsonl line) comes back with
+    `error` set."""
     flag = f"--data {spec}"
     if spec.startswith("hf:"):
-        rows = _read_hf(spec)
+        rows = _read_hf(spec, split)
+    elif os.path.isdir(spec):
+        rows = _read_saved(spec, split)
     else:
         ext = os.path.splitext(spec)[1].lower()
         if ext in PRETRAINING_SUFFIXES:
             raise BadInput(
                 f"{flag}: a {ext} file is text or tokens for pretraining; --task sft reads "
-                ".jsonl, .json, .parquet or hf:NAME[:SPLIT] rows"
+                f"{SOURCES['sft']}"
             )
         if ext not in SFT_SUFFIXES:
-            raise BadInput(
-                f"{flag}: unknown format for --task sft; expected a .jsonl, .json or .parquet "
-                "file or hf:NAME[:SPLIT]"
-            )
+            raise BadInput(f"{flag}: unknown format for --task sft; expected {SOURCES['sft']}")
         if not os.path.isfile(spec):
             raise BadInput(f"{flag}: no such file")
         read = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet}[ext]
@@ -219,9 +227,31 @@ def _plain(value):
     return value
 
 
-def _read_hf(spec: str) -> list[Row]:
-    ds = load_hf_dataset(spec)
-    return [Row(f"{spec} row {i}", i, item) for i, item in enumerate(ds)]
+def source_name(spec: str, split: str = DEFAULT_SPLIT) -> str:
+    """`--data spec` in words, with the split read where the spec does not name it (its rows
+    are "NAME row i"): "hf:owner/set:train", "sft_dd/test" (a DatasetDict's split is its
+    subfolder); a file or a single Dataset is `spec` itself."""
+    if spec.startswith("hf:"):
+        name = spec[3:]
+        names_split = ":" in name and not os.path.isdir(name)
+        return spec if names_split or saved_kind(name) == "dataset" else f"{spec}:{split}"
+    return os.path.join(spec, split) if saved_kind(spec) == "dataset_dict" else spec
+
+
+def _read_hf(spec: str, split: str) -> list[Row]:
+    ds = load_hf_dataset(spec, split)
+    where = source_name(spec, split)
+    return [Row(f"{where} row {i}", i, item) for i, item in enumerate(ds)]
+
+
+def _read_saved(folder: str, split: str) -> list[Row]:
+    """A save_to_disk folder's rows: a Dataset's, or split `split` of a DatasetDict's."""
+    problem = folder_problem(folder, "sft")
+    if problem is not None:
+        raise BadInput(problem)
+    ds = load_saved(folder, split, f"--data {folder}")
+    where = source_name(folder, split)
+    return [Row(f"{where} row {i}", i, item) for i, item in enumerate(ds)]
 
 
 # ---- formats ------------------------------------------------------------------------------

@@ -13,8 +13,9 @@ Layout under --out:
 
 A checkpoint is written into a temporary folder next to the others, every file fsynced, then
 renamed into place (a rename is atomic); only then does `latest` move to it (written aside and
-renamed too), and only then are older checkpoints removed. A kill at any point leaves the
-previous checkpoint and a `latest` that names a complete folder. Everything is saved as
+renamed too), and only then are older checkpoints removed (all but the newest
+--keep-checkpoints and the best one of --save-best, `best.Best`). A kill at any point leaves
+the previous checkpoint and a `latest` that names a complete folder. Everything is saved as
 tensors and plain containers, so both files load with torch.load(weights_only=True).
 
 What a rename cannot protect against (a file truncated, deleted or overwritten later, a disk
@@ -87,8 +88,10 @@ def save(
     trainer_state: dict,
     run_config: dict | None = None,
     keep: int = 1,
+    best: int | None = None,
 ) -> str:
-    """Write checkpoint `step` under out/checkpoints atomically; keep the newest `keep`.
+    """Write checkpoint `step` under out/checkpoints atomically; keep the newest `keep`, and
+    the checkpoint of step `best` (--save-best's, not counted in `keep`) beside them.
 
     Returns the checkpoint's folder. If writing fails (or the process dies), the previous
     checkpoint and `latest` are untouched and nothing half-written is left: no room on the
@@ -108,7 +111,7 @@ def save(
             if _latest_text(root) != name:
                 _remove(root, name)
             raise
-    _prune(root, keep, step)
+    _prune(root, keep, step, best)
     return final
 
 
@@ -164,14 +167,14 @@ def _steps(root: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def _prune(root: str, keep: int, step: int) -> None:
+def _prune(root: str, keep: int, step: int, best: int | None = None) -> None:
     # Folders past `step` are from before a resume that fell back to an older checkpoint.
-    latest = read_latest_name(root)
+    kept = {read_latest_name(root), None if best is None else f"step-{best:08d}"}
     complete = [name for s, name in _steps(root) if s <= step]
     for name in [name for s, name in _steps(root) if s > step]:
         _remove(root, name)
     for name in complete[: max(0, len(complete) - keep)]:
-        if name != latest:
+        if name not in kept:
             _remove(root, name)
     for entry in os.listdir(root):  # half-written folders of runs that died mid-save
         if entry.startswith(".tmp-"):

@@ -1,11 +1,11 @@
 """What a run writes in --out as it goes, and the words for what is left there.
 
-The folder's lock, config.yaml, metrics.jsonl and (with --tensorboard) TensorBoard's event
-file are opened at the start; a record goes to both as it comes; checkpoints are written
+The folder's lock, config.yaml, metrics.jsonl and the trackers (--report-to, --tensorboard:
+`trackers`) are opened at the start; a record goes to each as it comes; checkpoints are written
 between windows. No room on the disk is one line every time: at the start a new run leaves
 nothing behind and a resume leaves the folder as it was (RunFailed); for metrics.jsonl the
-run stops (it would not resume exactly without it) naming the checkpoint still there; for
-TensorBoard that is turned off and the run goes on; for a checkpoint the previous one stays
+run stops (it would not resume exactly without it) naming the checkpoint still there; a
+tracker that fails (TensorBoard's file meeting a full disk) is turned off and the run goes on; for a checkpoint the previous one stays
 and the run goes on.
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch.distributed as dist
 
@@ -23,10 +24,11 @@ from gradaccum.settings.files import to_yaml
 from gradaccum.train import adapters, checks
 from gradaccum.train.config import TrainConfig
 from gradaccum.train.rundir import checkpoint
+from gradaccum.train.rundir.best import BEST_FOLDER, Best, load_weights
 from gradaccum.train.rundir.lock import RunLock
 from gradaccum.train.rundir.metrics import MetricsWriter
 from gradaccum.train.rundir.settings import SETTINGS_FILE
-from gradaccum.train.rundir.tensorboard import TensorBoardWriter
+from gradaccum.train.rundir.trackers import Trackers
 from gradaccum.utils.atomic import write_text_atomic
 from gradaccum.utils.errors import BadInput, DiskFull, RunFailed, first_line
 
@@ -50,12 +52,13 @@ class Outputs:
         self.resumed_at, self._metrics_lines = resumed_at, metrics_lines
         self.lock = RunLock(config.out)
         self.metrics: MetricsWriter | None = None
-        self.tensorboard: TensorBoardWriter | None = None  # on rank 0 with --tensorboard
+        self.trackers: Trackers | None = None  # on rank 0 with --report-to or --tensorboard
         self.saved_step = resumed_at
         """The step of the newest checkpoint on disk (None before the first)."""
         self.last_saved: int | None = None
         """The step of the last save (written or failed): one step is saved once."""
         self.failed_save: tuple[int, str] | None = None  # the last save that failed, and why
+        self.best = Best()  # --save-best's checkpoint, known to rank 0 (which evaluates)
         self.not_written: dict[str, str] = {}  # file -> why, for the closing line
 
     @classmethod
@@ -99,51 +102,61 @@ class Outputs:
             raise failed or BadInput("--out", self.config.out, "in use by a running run")
 
     def _open_files(self, step: int) -> None:
-        """config.yaml, metrics.jsonl and, with --tensorboard, its event file."""
+        """config.yaml, metrics.jsonl and the trackers (`Trackers.start`)."""
         config = self.config
         header = "gradaccum train settings as chosen; gradaccum train --config this-file"
         write_text_atomic(os.path.join(config.out, SETTINGS_FILE), to_yaml(config.sections(), header))
         path = os.path.join(config.out, "metrics.jsonl")
         self.metrics = MetricsWriter(path, self._metrics_lines)
-        if config.tensorboard:
-            # Events past the checkpoint's step came after it and will be written again.
-            purge = step + 1 if self.resumed_at is not None else None
-            self.tensorboard = TensorBoardWriter(config.out, purge_step=purge)
+        if config.trackers:
+            # A resume continues each tracker's run from `step`: what came after is logged again.
+            resumed = step if self.resumed_at is not None else None
+            self.trackers = Trackers.start(config, resumed, self.not_written)
 
     def close_tensorboard(self) -> None:
-        if self.tensorboard is not None:
-            self.tensorboard.close()
-            self.tensorboard = None
+        """TensorBoard's file closed; the other trackers stay open for the plots
+        (`finish_trackers`)."""
+        if self.trackers is not None:
+            self.trackers.close("tensorboard")
+
+    def finish_trackers(self, note: Callable[[str], None]) -> list[str]:
+        """After the plots are written: every .png in --out to the trackers that take files,
+        then each closed; the folders in --out the trackers wrote, for the summary's files."""
+        if self.trackers is None:
+            return []
+        out = self.config.out
+        plots = sorted(os.path.join(out, n) for n in os.listdir(out) if n.endswith(".png"))
+        return self.trackers.finish(plots, note)
+
+    def close_trackers(self) -> None:
+        """Every tracker still open closed as failed: the run ended before `finish_trackers`."""
+        if self.trackers is not None:
+            self.trackers.close(failed=True)
 
     def abandon(self) -> None:
-        """On the way out of a run that did not finish: the lock released, metrics closed."""
+        """On the way out of a run that did not finish: the lock released, metrics closed,
+        the trackers' runs closed as failed."""
         self.lock.release()
         if self.metrics is not None:
             self.metrics.close()
+        self.close_trackers()
 
     # ---- as the run goes ---------------------------------------------------------------
 
     def write(self, record: dict, note: Callable[[str], None]) -> None:
-        """One metrics record into metrics.jsonl and, with --tensorboard, TensorBoard. No
-        room for metrics.jsonl stops the run (RunFailed naming the checkpoint still there: a
-        run without its metrics would not resume exactly); no room for TensorBoard's file
-        turns TensorBoard off, said in one line through `note`, and the run goes on."""
+        """One metrics record into metrics.jsonl and to every tracker. No room for
+        metrics.jsonl stops the run (RunFailed naming the checkpoint still there: a run
+        without its metrics would not resume exactly); a tracker that fails (no room for
+        TensorBoard's file) is turned off, said in one line through `note`, and the run goes
+        on."""
         try:
             self.metrics.write(record)  # whole lines only: the file ends at the last whole one
         except DiskFull as err:
             raise RunFailed(
                 f"{err} at step {record['step']}; the run stopped, {self.kept('free space and ')}"
             ) from None
-        if self.tensorboard is not None:
-            try:
-                self.tensorboard.write(record)
-            except DiskFull as err:
-                self.close_tensorboard()
-                self.not_written["tensorboard/"] = f"past step {record['step'] - 1}: {err.reason}"
-                note(
-                    f"{err}; TensorBoard is off from step {record['step']}, "
-                    "metrics.jsonl goes on holding every field"
-                )
+        if self.trackers is not None:
+            self.trackers.log(record, note)
 
     def save(
         self,
@@ -159,32 +172,57 @@ class Outputs:
         KeyboardInterrupt's text."""
         if step == self.last_saved:
             return
-        if self.is_main:
-            try:
-                model_state, trainer_state = contents()
-                model_state = adapters.checkpoint_state(model_state, model_config)  # LoRA
-                checkpoint.save(
-                    self.config.out,
-                    step,
-                    model_state,
-                    model_config,
-                    trainer_state,
-                    run_config=self.config.to_dict(),
-                    keep=self.config.keep_checkpoints,
-                )
-            except KeyboardInterrupt:
-                raise self._interrupted_save(step) from None
-            except (OSError, DiskFull) as err:
-                why = err.reason if isinstance(err, DiskFull) else err.strerror or first_line(err)
-                self.failed_save = (step, why)
-                note(f"checkpoint at step {step} not written ({why}); {self._older()}")
-            else:
-                self.saved_step = step
-        else:
+        if not self.is_main:
             self.saved_step = step  # rank 0 writes it; the others cannot tell
+        elif step != self.saved_step:  # not already written as a new best (`save_best`)
+            self._write(step, contents, model_config, note)
         if self.rank_info.world_size > 1:
             dist.barrier()
         self.last_saved = step
+
+    def save_best(
+        self,
+        best: Best,
+        contents: Callable[[], tuple[dict, dict]],
+        model_config: dict,
+        note: Callable[[str], None],
+    ) -> bool:
+        """--save-best on rank 0, at an evaluation that found a lower eval loss: `best` made
+        the best and its step's checkpoint written now, a save step or not, its trainer state
+        (`contents()`) naming it. The other ranks do not evaluate: they wait in the next
+        window's collectives, and a `save` of the same step only joins them. False when it
+        could not be written (said through `note`): the best stays the previous one."""
+        previous, self.best = self.best, best
+        if not self._write(best.step, contents, model_config, note):
+            self.best = previous
+            return False
+        return True
+
+    def _write(self, step: int, contents, model_config: dict, note) -> bool:
+        """Rank 0's write of checkpoint `step`, pruning all but the newest --keep-checkpoints
+        and the best; whether it was written (a failure is said through `note`)."""
+        try:
+            model_state, trainer_state = contents()
+            model_state = adapters.checkpoint_state(model_state, model_config)  # LoRA
+            checkpoint.save(
+                self.config.out,
+                step,
+                model_state,
+                model_config,
+                trainer_state,
+                run_config=self.config.to_dict(),
+                keep=self.config.keep_checkpoints,
+                best=self.best.step if self.config.save_best else None,
+            )
+        except KeyboardInterrupt:
+            raise self._interrupted_save(step) from None
+        except (OSError, DiskFull) as err:
+            why = err.reason if isinstance(err, DiskFull) else err.strerror or first_line(err)
+            self.failed_save = (step, why)
+            note(f"checkpoint at step {step} not written ({why}); {self._older()}")
+            return False
+        self.saved_step = step
+        return True
 
     def _interrupted_save(self, step: int) -> KeyboardInterrupt:
         """A Ctrl-C during the save of `step`: made current before it landed (pruning the
@@ -197,54 +235,83 @@ class Outputs:
             f"during the checkpoint at step {step}, which was not written; {self.kept()}"
         )
 
-    def export(self, model_state: dict, model_config: dict, at: str) -> list[str]:
-        """A finished run's model.pt and config.json; the files written. No room ends the
-        run in one line (RunFailed) naming the checkpoint still there; `at`: where the run
-        stands, "step 40/40"."""
+    def export(self, model_state: dict, model_config: dict, at: str, into: str = "") -> list[str]:
+        """A finished run's model.pt and config.json in --out (or its sub-folder `into`); the
+        files written. No room ends the run in one line (RunFailed) naming the checkpoint
+        still there; `at`: where the run stands, "step 40/40"."""
         try:
-            checkpoint.save_model(self.config.out, model_state, model_config)
+            checkpoint.save_model(os.path.join(self.config.out, into), model_state, model_config)
         except DiskFull as err:
             raise RunFailed(
-                f"{err}; the run trained to {at} but its model is not exported, "
-                f"{self.kept('free space and ')}"
+                f"{err}; the run trained to {at} but its model is not exported"
+                f"{_to(into)}, {self.kept('free space and ')}"
             ) from None
-        return ["model.pt", "config.json"]
+        return [os.path.join(into, "model.pt"), os.path.join(into, "config.json")]
 
-    def export_hf(self, model, tokenizer_dir: str | None, at: str) -> list[str]:
-        """A finished run's Hugging Face model in --out/hf as `save_pretrained` writes it,
-        with the tokenizer's files of `tokenizer_dir` (`models.export.export_hf_model`), so
-        that transformers' `from_pretrained` loads both; the files written. No room ends the
-        run in one line (RunFailed) as for `export`."""
+    def export_hf(self, model, tokenizer_dir: str | None, at: str, into: str = "") -> list[str]:
+        """A finished run's Hugging Face model in --out/hf (or `into`/hf) as `save_pretrained`
+        writes it, with the tokenizer's files of `tokenizer_dir`
+        (`models.export.export_hf_model`), so that transformers' `from_pretrained` loads
+        both; the files written. No room ends the run in one line (RunFailed) as for
+        `export`."""
+        folder = os.path.join(into, HF_EXPORT)
         try:
-            export_hf_model(model, os.path.join(self.config.out, HF_EXPORT), tokenizer_dir)
+            export_hf_model(model, os.path.join(self.config.out, folder), tokenizer_dir)
         except DiskFull as err:
             raise RunFailed(
                 f"{err}; the run trained to {at} but its model is not exported to "
-                f"{HF_EXPORT}/, {self.kept('free space and ')}"
+                f"{folder}/, {self.kept('free space and ')}"
             ) from None
-        return [f"{HF_EXPORT}/"]
+        return [f"{folder}/"]
 
-    def export_lora(self, model, tokenizer, at: str) -> list[str]:
-        """A finished LoRA run's adapter folder (and with --merge-lora the merged model),
-        `adapters.export`; the folders written. No room ends the run in one line (RunFailed)
-        as for `export`."""
+    def export_lora(self, model, tokenizer, at: str, into: str = "") -> list[str]:
+        """A finished LoRA run's adapter folder (and with --merge-lora the merged model) in
+        --out (or `into`), `adapters.export`; the folders written. No room ends the run in
+        one line (RunFailed) as for `export`."""
+        config = replace(self.config, out=os.path.join(self.config.out, into))
         try:
-            return adapters.export(model, self.config, tokenizer)
+            written = adapters.export(model, config, tokenizer)
         except DiskFull as err:
             raise RunFailed(
-                f"{err}; the run trained to {at} but its adapters are not all exported, "
-                f"{self.kept('free space and ')}"
+                f"{err}; the run trained to {at} but its adapters are not all exported"
+                f"{_to(into)}, {self.kept('free space and ')}"
             ) from None
+        return [os.path.join(into, name) for name in written]
 
-    def export_model(self, model, model_info, tokenizer_dir: str | None, at: str) -> list[str]:
-        """A finished run's model (unwrapped): LoRA's adapter folder (`export_lora`), or
-        model.pt (`export`) and for a Hugging Face model also --out/hf (`export_hf`)."""
+    def export_model(
+        self, model, model_info, tokenizer_dir: str | None, at: str, into: str = ""
+    ) -> list[str]:
+        """A finished run's model (unwrapped) in --out (or its sub-folder `into`): LoRA's
+        adapter folder (`export_lora`), or model.pt (`export`) and for a Hugging Face model
+        also hf/ (`export_hf`)."""
         if adapters.record_of(model_info) is not None:
-            return self.export_lora(model, tokenizer_dir, at)
-        files = self.export(model.state_dict(), model_info.config, at)
+            return self.export_lora(model, tokenizer_dir, at, into)
+        files = self.export(model.state_dict(), model_info.config, at, into)
         if model_info.kind == "hf":  # also as transformers loads it
-            files += self.export_hf(model, tokenizer_dir, at)
+            files += self.export_hf(model, tokenizer_dir, at, into)
         return files
+
+    def export_best(
+        self, model, model_info, tokenizer_dir: str | None, step: int, at: str
+    ) -> list[str]:
+        """--save-best at the end of a run finished at `step`: the best checkpoint's model
+        exported as --out/best/ by `export_model` (its weights loaded into `model` first,
+        unless the best is `step`, the model as it ends); ["best/"], or [] with why in
+        `not_written` when there is no best or its checkpoint is damaged. No room ends the
+        run in one line (RunFailed) as for `export`."""
+        folder = self.best.folder(self.config.out)
+        if folder is None:
+            self.not_written[f"{BEST_FOLDER}/"] = "no evaluation gave a finite eval loss"
+            return []
+        if self.best.step != step:
+            damage = checkpoint.damage(folder)
+            if damage is not None:
+                self.not_written[f"{BEST_FOLDER}/"] = f"its checkpoint {damage}"
+                return []
+            load_weights(model, model_info, folder)
+        os.makedirs(os.path.join(self.config.out, BEST_FOLDER), exist_ok=True)
+        self.export_model(model, model_info, tokenizer_dir, at, into=BEST_FOLDER)
+        return [f"{BEST_FOLDER}/"]
 
     # ---- what is left ------------------------------------------------------------------
 
@@ -264,3 +331,8 @@ class Outputs:
             return f"none is in {root} yet"
         path = os.path.join(root, f"step-{self.saved_step:08d}")
         return f"the one at step {self.saved_step} is still there ({path})"
+
+
+def _to(into: str) -> str:
+    """The words " to best/" for an export into a sub-folder of --out; "" for --out."""
+    return f" to {into}/" if into else ""

@@ -4,10 +4,11 @@ resume puts it back.
 Each piece saves and loads itself (`state_dict` / `load_state_dict`): the optimizer, the LR
 scheduler, the accumulator (loss scaler, noise-scale averages), the data position, the
 batch as trained (`BatchState`: the plan, the micro-batch and k now, the batch schedule's
-growth, tokens seen), the LR schedule, the run's progress (`RunState`: seconds, first loss)
-and a mixture of experts' balance (its mode and the previous window's f, `train.moe`); with
-them the RNG states, the settings and how many metrics.jsonl lines the checkpoint saw. Only
-tensors and plain containers, so it loads with torch.load(weights_only=True).
+growth, tokens seen), the LR schedule, the run's progress (`RunState`: seconds, first loss),
+--save-best's best so far (`best.Best`: step, eval loss, eval set) and a mixture of experts'
+balance (its mode and the previous window's f, `train.moe`); with them the RNG states, the
+settings and how many metrics.jsonl lines the checkpoint saw. Only tensors and plain
+containers, so it loads with torch.load(weights_only=True).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 from gradaccum.train.moe import STATE_KEY as MOE_STATE
-from gradaccum.train.rundir import checkpoint
+from gradaccum.train.rundir import best, checkpoint
 from gradaccum.utils.errors import BadInput
 
 if TYPE_CHECKING:
@@ -61,6 +62,7 @@ def trainer_state(run: Run) -> dict:
         "batching": batch["batching"],
         "metrics_lines": run.outputs.metrics.lines,
         "progress": {"tokens": batch["tokens"], **run.state.state_dict()},
+        best.STATE_KEY: run.outputs.best.state_dict(),
     }
     if run.moe is not None:
         payload[MOE_STATE] = run.moe.state_dict()
@@ -70,7 +72,8 @@ def trainer_state(run: Run) -> dict:
 def restore(run: Run, payload: dict) -> list[str]:
     """Put `payload` back into `run`, built for it, with the settings of `run.config` where a
     resume changed them on purpose (lr, weight decay: `resume.applied_changes`); the lines
-    that say what else changed (a mixture of experts' balance mode)."""
+    that say what else changed (a best checkpoint looked for anew, a mixture of experts'
+    balance mode)."""
     config, optimizer, scheduler = run.config, run.optimizer, run.scheduler
     optimizer.load_state_dict(payload["optimizer"])
     scheduler.load_state_dict(payload["scheduler"])
@@ -90,6 +93,7 @@ def restore(run: Run, payload: dict) -> list[str]:
     batch = {"tokens": progress.pop("tokens"), "batching": payload.get("batching")}
     run.batch.load_state_dict(batch, run.acc.steps)
     run.state.load_state_dict(progress)
+    run.outputs.best, lines = best.restored(run, payload.get(best.STATE_KEY))
     if run.moe is None:
-        return []
-    return run.moe.load_state_dict(payload, run.acc.steps)  # the previous window's f
+        return lines
+    return lines + run.moe.load_state_dict(payload, run.acc.steps)  # the previous window's f

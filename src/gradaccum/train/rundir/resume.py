@@ -5,7 +5,8 @@ applied, recorded (train_config.json, config.yaml, the next checkpoint) and prin
 ("lr 0.003 -> 0.001 from step 10"); a change that would make the continuation something the
 run never was is refused naming its flag. In particular:
 - the model is rebuilt from the checkpoint's config.json, never from --model-config's file;
-- the data must be the same tokens (their fingerprint is saved), unless --allow-data-change;
+- the data must be the same tokens, and the eval set the same (one fingerprint covers both:
+  --eval-data's file, or the split --eval-fraction makes), unless --allow-data-change;
 - the batch per optimizer step stays the checkpoint's, in tokens. The number of devices and
   the micro-batch may change, k following: the data order is one stream of sequences
   whatever the layout, so the continuation reads the same windows. Where the tokens per step
@@ -61,6 +62,8 @@ SPECIAL = (
     "max_steps",
     "max_tokens",
     "data",
+    "eval_data",
+    "eval_fraction",
     "moe_balance",
 )
 """Fields whose change is judged by what it does (the batch, the length, the tokens; the
@@ -145,20 +148,32 @@ def _model_as_trained(saved: dict) -> str:
 
 
 def check_data(config: TrainConfig, ckpt, data_info) -> list[str]:
-    """Refuse other tokens than the checkpoint's unless --allow-data-change; the lines to print."""
+    """Refuse other tokens or another eval set than the checkpoint's unless
+    --allow-data-change; the lines to print."""
     state, saved = ckpt.trainer_state, ckpt.trainer_state["config"]
     before = state.get("data_fingerprint")
-    was, now = saved.get("data") or "(built-in)", config.data or "(built-in)"
+    was, now = _data_words(saved), _data_words(config.to_dict())
     if before is None or before == data_info.fingerprint:
         return [] if was == now else [f"data {was} -> {now}: the same tokens"]
     if not config.allow_data_change:
+        evaluated = " or evaluated" if " --eval-" in was + now else ""
         raise BadInput(
             "--resume",
             config.out,
-            f"--data {now} does not fit the checkpoint: other tokens than the run was trained "
-            f"on ({was}); add --allow-data-change to continue on them",
+            f"--data {now} does not fit the checkpoint: other tokens than the run was trained"
+            f"{evaluated} on ({was}); add --allow-data-change to continue on them",
         )
     return [f"data {was} -> {now} from step {ckpt.step} (--allow-data-change)"]
+
+
+def _data_words(settings: dict) -> str:
+    """--data's value in a line, with --eval-data or --eval-fraction where given."""
+    words = settings.get("data") or "(built-in)"
+    if settings.get("eval_data") is not None:
+        return f"{words} --eval-data {settings['eval_data']}"
+    if settings.get("eval_fraction") is not None:
+        return f"{words} --eval-fraction {settings['eval_fraction']:g}"
+    return words
 
 
 def batch_config(config: TrainConfig, ckpt, world_size: int) -> TrainConfig:

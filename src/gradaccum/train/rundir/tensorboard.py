@@ -1,5 +1,5 @@
-"""`train --tensorboard`: every metrics.jsonl field as a TensorBoard scalar, under
-`<out>/tensorboard/`. An optional extra (`pip install gradaccum[tensorboard]`): without the
+"""`train --tensorboard` (or tensorboard in --report-to, `trackers`): every metrics.jsonl
+field as a TensorBoard scalar, under `<out>/tensorboard/`. An optional extra (`pip install gradaccum[tensorboard]`): without the
 package the flag is refused with the name of the extra to install.
 
 The event file is written here, in the training thread, one record at a time with the
@@ -21,6 +21,22 @@ from gradaccum.utils.atomic import append_whole, writing
 from gradaccum.utils.errors import BadInput
 
 _NOT_SCALARS = ("step", "skipped")
+
+
+def scalars(record: dict) -> dict[str, float]:
+    """A metrics record's numbers by the names every tracker shows them under: training
+    fields as `train/loss`, the held-out loss as `eval/eval_loss`, an event's (out of memory
+    mid-window) under `event/`. The step and the skipped flag are not scalars; a nan or an
+    infinity is left out rather than drawn as a spike."""
+    prefix = "eval" if "eval_loss" in record else "event" if "event" in record else "train"
+    return {
+        f"{prefix}/{key}": float(value)
+        for key, value in record.items()
+        if key not in _NOT_SCALARS
+        and isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+    }
 
 
 def check_available() -> None:
@@ -87,20 +103,10 @@ class TensorBoardWriter:
         from tensorboard.compat.proto.event_pb2 import Event
         from tensorboard.compat.proto.summary_pb2 import Summary
 
-        step = int(record["step"])
-        prefix = "eval" if "eval_loss" in record else "event" if "event" in record else "train"
-        values = []
-        for key, value in record.items():
-            if (
-                key in _NOT_SCALARS
-                or isinstance(value, bool)
-                or not isinstance(value, (int, float))
-            ):
-                continue
-            if math.isfinite(value):
-                values.append(Summary.Value(tag=f"{prefix}/{key}", simple_value=float(value)))
+        values = [Summary.Value(tag=t, simple_value=v) for t, v in scalars(record).items()]
         if values:
             summary = Summary(value=values)
+            step = int(record["step"])
             self._append([Event(wall_time=time.time(), step=step, summary=summary)])
 
     def close(self) -> None:
