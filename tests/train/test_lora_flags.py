@@ -204,4 +204,7 @@ def test_sft_micro_batch_auto_probes_the_frozen_base_at_full_width(capsys, tmp_p
     assert seen["trainable"] and all(".lora_" in n for n in seen["trainable"])
     assert seen["numel"] == tiny_adapters(2)
     assert seen["widths"] == {128}  # the SFT default --seq-len
-    assert f"micro-batch {seen['chosen']} x 1 rank(s)" in output
+    # the plan states the size chosen; the probe's table no k nor target, which a fine-tuning
+    # window's examples settle
+    assert f"--micro-batch {seen['chosen']} x --seq-len 128" in output
+    assert "vs target" not in output and "from the target" not in output

@@ -39,7 +39,7 @@ def test_pretraining_data_for_sft(capsys, tmp_path):
         path.write_bytes(b"\0" * 64)
         line = _refused(capsys, tmp_path, "--task", "sft", "--data", str(path))
         assert line.startswith(f"--data {path}: a .{name.split('.')[1]} file is text or tokens")
-        assert "--task sft reads .jsonl" in line
+        assert "--task sft reads a .jsonl, .json or .parquet file" in line
 
 
 def test_examples_per_step_only_with_sft(capsys, tmp_path):

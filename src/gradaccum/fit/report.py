@@ -16,29 +16,32 @@ if TYPE_CHECKING:
     from gradaccum.fit.result import FitResult
 
 
-def render_table(result: FitResult) -> str:
+def render_table(result: FitResult, fixed_k: bool = True) -> str:
     """The candidates as a table (each with the k and the global batch it would give), the
-    choice, the global batch k gives, and why the choice is off the target when it is."""
+    choice, the global batch k gives, and why the choice is off the target when it is.
+    `fixed_k` False (a fine-tuning run, whose k follows each window's examples): no k, no
+    global batch, no target, only the sizes measured and the choice."""
     target = result.target
     table = Table(title="micro-batch candidates (measured)", title_justify="left")
     names = ("micro-batch", "tokens", "checkpointing", "fits", "tokens/s", "peak memory")
-    for name in (*names, "k", "vs target", ""):
+    for name in (*names, *(("k", "vs target") if fixed_k else ()), ""):
         table.add_column(name, justify="left" if name in ("checkpointing", "fits") else "right")
     for c in sorted(result.candidates, key=lambda c: (c.checkpointing, c.micro_batch)):
         mark = ""
         if (c.micro_batch, c.checkpointing) == (result.micro_batch, result.checkpointing):
             mark = "<- chosen"
-        table.add_row(
+        cells = [
             str(c.micro_batch),
             fmt_int(c.micro_batch * result.seq_len),
             "on" if c.checkpointing else "off",
             "yes" if c.fits else f"no ({c.why})",
             "-" if c.tokens_per_s is None else fmt_int(round(c.tokens_per_s)),
             "-" if c.peak_memory_bytes is None else fmt_bytes(c.peak_memory_bytes),
-            str(target.accum_steps(c.micro_batch)) if c.fits else "-",
-            f"{target.deviation(c.micro_batch):+.2%}" if c.fits else "-",
-            mark,
-        )
+        ]
+        if fixed_k:
+            cells.append(str(target.accum_steps(c.micro_batch)) if c.fits else "-")
+            cells.append(f"{target.deviation(c.micro_batch):+.2%}" if c.fits else "-")
+        table.add_row(*cells, mark)
     out = io.StringIO()
     Console(file=out, width=120, color_system=None, emoji=False).print(table)
     lines = [out.getvalue().rstrip("\n")]
@@ -57,6 +60,9 @@ def render_table(result: FitResult) -> str:
         f"chosen: micro-batch {result.micro_batch} ({fmt_int(result.micro_batch * result.seq_len)}"
         f" tokens), activation checkpointing {ckpt}"
     )
+    if not fixed_k:
+        lines.append("k: each window's own, from its examples at this micro-batch (the plan below)")
+        return "\n".join(lines) + "\n"
     lines.append(
         f"k = {result.accum_steps}: global batch {fmt_int(result.global_batch_tokens)} tokens "
         f"= {result.micro_batch} x {result.seq_len} x {result.accum_steps} x "

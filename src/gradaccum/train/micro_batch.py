@@ -107,10 +107,10 @@ def measure_sft(
         return {"input_ids": ids.to(device), "labels": ids.roll(-1, dims=1).to(device)}
 
     tokens = max(1, round(examples_per_step)) * config.seq_len
-    return _probe(config, model, make_batch, tokens, rank_info, say)
+    return _probe(config, model, make_batch, tokens, rank_info, say, fixed_k=False)
 
 
-def _probe(config, model, make_batch, tokens_per_step: int, rank_info, say) -> int:
+def _probe(config, model, make_batch, tokens_per_step: int, rank_info, say, fixed_k=True) -> int:
     """`fit.find_micro_batch` on the run's model, optimizer and precision; the RNG restored."""
     device = rank_info.device
     model.to(device)
@@ -130,7 +130,7 @@ def _probe(config, model, make_batch, tokens_per_step: int, rank_info, say) -> i
         make_optimizer=lambda m: parts.optimizer(m, config),
     )
     checkpoint.set_rng_state(rng)
-    say(fit.render_table(result).rstrip("\n"))
+    say(fit.render_table(result, fixed_k).rstrip("\n"))
     return result.micro_batch
 
 
