@@ -78,7 +78,7 @@ COMMAND = Command(
         part(PlanModelSettings),
         part(PrecisionSettings),
         part(PlanMemorySettings),
-        part(LoraSettings, "lora_rank"),
+        part(LoraSettings, "lora_rank", "base_bits"),
         part(PlanLRSettings),
         part(BatchSettings, "lr_rule"),
         part(RunSettings, "json"),
@@ -86,6 +86,10 @@ COMMAND = Command(
     run="plan",
     epilog=_EPILOG,
     defaults={"precision": DEFAULT_PRECISION, "seq_len": None, "accum_steps": None},
+    notes={
+        "base_bits": "The plan also takes 16 (a bf16 base under --precision fp32), and "
+        "--trainable-params in place of --lora-rank; 4 and 8 need a model shape."
+    },
 )
 
 

@@ -28,6 +28,8 @@ def build_model(
     seq_len: int | None = None,
     dropout: float = 0.0,
     dtype: str = "auto",
+    quant=None,
+    device="cpu",
 ) -> tuple[nn.Module, ModelInfo]:
     """Build the model to train, from exactly one of a preset, an HF config or a checkpoint.
 
@@ -40,8 +42,15 @@ def build_model(
     For the last two, vocab_size and seq_len, when given, are checked to fit the model.
     dtype: for a Hugging Face folder, "auto" keeps the stored dtype (bf16 stays bf16), "fp32"
         upcasts. Other models are built as their config says (the built-in GPT in fp32).
+    quant: a `QuantSpec` (--base-bits): the blocks' linear layers stored in 4 or 8 bits on
+        `device`, a Hugging Face folder loaded so by transformers' BitsAndBytesConfig, any
+        other model quantised from the weights it was built with (`models.quantized`); the
+        ModelInfo counts the parameters as they were before.
     Raises BadInput naming the flag on bad input.
     """
+    if quant is not None:
+        return _quantized(preset, config_path, init_from, vocab_size, seq_len, dropout, dtype,
+                          quant, device)  # fmt: skip
     given = [x for x in (preset, config_path, init_from) if x is not None]
     if len(given) != 1:
         raise ValueError("build_model: give exactly one of preset, config_path, init_from")
@@ -60,6 +69,33 @@ def build_model(
         GPTConfig(vocab_size=vocab_size, seq_len=seq_len, dropout=dropout, **BUILTIN_MODELS[preset])
     )
     return model, gpt_info(model, f"preset {preset}")
+
+
+def _quantized(preset, config_path, init_from, vocab_size, seq_len, dropout, dtype, quant, device):
+    """build_model's --base-bits path (see there)."""
+    from gradaccum.models import quantized
+
+    quantized.require_bitsandbytes(quant.bits)
+    quantized.silence()
+    if init_from is not None and _is_hf_folder(init_from):
+        folder = hf_folder.read_folder(init_from, flag="--init-from")
+        config = folder.config
+        positions = max_positions(config) or UNBOUNDED
+        check_fits("--init-from", init_from, config.vocab_size, positions, vocab_size, seq_len)
+        model = hf_folder.load_model(folder, dtype=dtype, quant=quant, device=device)
+        source = f"HF {folder.describe()} from {init_from}"
+        return model, hf_info(model, model.config, source, seq_len)
+    model, info = build_model(preset, config_path, init_from, vocab_size, seq_len, dropout, dtype)
+    quantized.quantize_linears(model, quant, device)
+    return model, info
+
+
+def _is_hf_folder(directory: str) -> bool:
+    """Whether --init-from names a Hugging Face folder rather than this project's checkpoint."""
+    config = _read_config(directory)
+    if config.get("model_type", GPT_MODEL_TYPE) == GPT_MODEL_TYPE:
+        return False
+    return not os.path.exists(os.path.join(directory, "model.pt"))
 
 
 def gpt_info(model: GPT, source: str) -> ModelInfo:

@@ -41,6 +41,16 @@ def from_config(flag: str, path: str, source: str, vocab_size, seq_len):
     return model, hf_info(model, config, source, seq_len)
 
 
+def parameter_count(model: nn.Module) -> int:
+    """Parameters as the model was before any quantisation: a 4-bit weight, stored packed two
+    to a byte, counts its (out, in) shape."""
+    total = 0
+    for p in model.parameters():
+        state = getattr(p, "quant_state", None)
+        total += state.shape.numel() if state is not None else p.numel()
+    return total
+
+
 def max_positions(config) -> int | None:
     """The longest sequence an HF config allows, in tokens (None: it does not say)."""
     return next(
@@ -61,7 +71,7 @@ def hf_info(model: nn.Module, config, source: str, seq_len) -> ModelInfo:
     return ModelInfo(
         source=source,
         kind="hf",
-        params=sum(p.numel() for p in model.parameters()),
+        params=parameter_count(model),
         layers=int(get("num_hidden_layers", "n_layer")),
         hidden=int(get("hidden_size", "n_embd", "d_model")),
         heads=int(get("num_attention_heads", "n_head")),

@@ -168,13 +168,17 @@ def quiet_transformers():
             logging.enable_progress_bar()
 
 
-def load_model(folder: HFFolder | str, dtype: str = "auto") -> nn.Module:
+def load_model(
+    folder: HFFolder | str, dtype: str = "auto", quant=None, device="cpu"
+) -> nn.Module:
     """The causal LM of a Hugging Face folder with its weights, in training mode.
 
     dtype: "auto" keeps the stored dtype (bf16 stays bf16), "fp32" upcasts. A folder given as a
     path is checked with `read_folder` first. Raises BadInput for weights that cannot be read
     or do not match config.json (a tensor missing or of another shape), and for a model that
-    is not a causal decoder (an encoder such as BERT).
+    is not a causal decoder (an encoder such as BERT). quant: a `QuantSpec` (--base-bits):
+    the blocks' linear layers loaded in 4 or 8 bits by transformers' BitsAndBytesConfig, on
+    `device`.
     """
     if dtype not in DTYPES:
         raise ValueError(f"load_model: dtype {dtype!r}, expected one of {DTYPES}")
@@ -191,6 +195,7 @@ def load_model(folder: HFFolder | str, dtype: str = "auto") -> nn.Module:
                 weights_only=True,
                 dtype="auto" if dtype == "auto" else torch.float32,
                 output_loading_info=True,
+                **_quantized_loading(quant, device),
             )
         except ValueError as err:  # a config class with no causal-LM model (an image model)
             raise BadInput(flag, path, f"not a causal LM ({short_error(err)})") from None
@@ -213,6 +218,15 @@ def load_model(folder: HFFolder | str, dtype: str = "auto") -> nn.Module:
         )
     refuse_non_causal(model, flag, path)
     return model.train()
+
+
+def _quantized_loading(quant, device) -> dict:
+    """from_pretrained's arguments for a base loaded in 4 or 8 bits (none without `quant`)."""
+    if quant is None:
+        return {}
+    from gradaccum.models.quantized import quantization_config
+
+    return {"quantization_config": quantization_config(quant), "device_map": {"": str(device)}}
 
 
 def refuse_non_causal(model: nn.Module, flag: str, path: str) -> None:

@@ -48,6 +48,7 @@ from gradaccum.models.export import (
     write_folder_atomic,
 )
 from gradaccum.models.gpt import GPT, GPT_MODEL_TYPE, GPTConfig
+from gradaccum.models.hf_config import parameter_count
 from gradaccum.utils.errors import BadInput
 
 ADAPTER = "default"
@@ -266,7 +267,7 @@ def apply_lora(model: nn.Module, spec: LoraSpec, adapter_dtype=torch.float32) ->
         targets=tuple(targets),
         layers=len(layers),
         trainable=sum(p.numel() for p in adapters.values()),
-        total=sum(p.numel() for p in model.parameters()),
+        total=parameter_count(model),
     )
 
 

@@ -61,6 +61,12 @@ class LoraSettings:
     )
     """With --lora-rank: module names to adapt, e.g. q_proj,v_proj (a module matches when its
     name is the target or ends in "." + target)."""
+    base_bits: int | None = setting(None, metavar="BITS")
+    """With --lora-rank: the frozen base stored in 4 bits (NF4, QLoRA) or 8 (LLM.int8) through
+    bitsandbytes (pip install 'gradaccum[qlora]'): the blocks' linear layers quantised, the
+    adapters trained in fp32 on top."""
+    base_quant: str | None = setting(None, "choice", choices=("nf4", "fp4"), default_text="nf4")
+    """With --base-bits 4: the 4-bit data type, NF4 (QLoRA's) or FP4; constants double-quantised."""
     merge_lora: bool = setting(False, "bool")
     """With --lora-rank: also write the model with the adapters folded into its weights
     (--out/merged)."""

@@ -125,8 +125,8 @@ def base_bits_note(q: QuantizedBase, precision: str) -> str:
     return (
         f"frozen base in {q.bits} bits ({q.scheme}, {per:.4g} bytes a parameter): the "
         f"{fmt_int(q.params)} weights of the blocks' linear layers; embeddings, output head, "
-        f"norms and biases stay {kept}. Training on a base in {q.bits} bits needs bitsandbytes "
-        "on a GPU (QLoRA), which gradaccum train does not provide"
+        f"norms and biases stay {kept}. gradaccum train --lora-rank R --base-bits {q.bits} "
+        "trains on it (bitsandbytes: pip install 'gradaccum[qlora]')"
     )
 
 

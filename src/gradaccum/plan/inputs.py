@@ -61,6 +61,7 @@ class PlanInputs(
     model: str | None = None  # a model shape by name (gradaccum.plan.presets.MODEL_SHAPES)
     precision: str | None = None  # bf16 (memory.DEFAULT_PRECISION) when not given
     lora_rank: int | None = None  # the adapters, counted from the model's shape, train
+    base_bits: int | None = None  # the frozen base in 4, 8 or 16 bits (LoraSettings)
     lr_rule: str | None = None  # none with a batch schedule, else sqrt (adamw), linear (sgd)
 
     def __post_init__(self):

@@ -21,8 +21,8 @@ Bytes per quantised parameter:
   one fp32 scale per output row: 1 byte a parameter + 4 bytes a row.
 - 16 bits: the frozen base in bf16/fp16, 2 bytes a parameter (what a bf16 or fp16 plan holds
   anyway; under --precision fp32 it halves the frozen part).
-Training on a 4- or 8-bit base needs bitsandbytes' kernels on a GPU; `gradaccum train` does
-not provide them, this only plans the memory.
+`gradaccum train --base-bits` trains on such a base (`gradaccum.models.quantized`, through
+bitsandbytes); this counts its bytes.
 
 Pure arithmetic, no torch.
 """

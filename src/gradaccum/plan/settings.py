@@ -113,10 +113,6 @@ class PlanMemorySettings:
     trainable_params: int | None = setting(None, parse=_count)
     """Parameters that train, the rest frozen (40M): gradients, fp32 buffer and optimizer
     state for these only; activations for the whole model."""
-    base_bits: int | None = setting(None, parse=_count, metavar="BITS")
-    """The frozen base stored in 4 (NF4, QLoRA), 8 (LLM.int8) or 16 bits (the default under
-    bf16); needs --lora-rank or --trainable-params, and 4 or 8 a model shape. Training a 4- or
-    8-bit base needs bitsandbytes on a GPU, not provided by gradaccum train."""
 
 
 @dataclass

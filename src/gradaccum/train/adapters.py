@@ -39,6 +39,7 @@ import torch
 from gradaccum.models import lora
 from gradaccum.models.export import has_lora, unwrap
 from gradaccum.models.info import ModelInfo
+from gradaccum.models.quantized_spec import spec_of
 from gradaccum.utils.errors import BadInput
 
 RECORD = "gradaccum_lora"
@@ -96,15 +97,33 @@ def attach(
     if wanted is None:
         return model, model_info
     fingerprint = base_fingerprint(model)
+    quant = quantized_base(model, config)
     info = lora.apply_lora(model, wanted)
     record = {
         **info.to_dict(),
         "targets": list(info.targets),
         "base_sha256": fingerprint,
         "base": model_info.source,
+        "base_quant": quant,
     }
     config_dict = {**model_info.config, RECORD: record}
     return model, replace(model_info, params=info.total, config=config_dict)
+
+
+def quantized_base(model: torch.nn.Module, config) -> dict | None:
+    """With --base-bits: the base prepared for k-bit training as peft does (frozen, its
+    unquantised bf16/fp16 parameters in fp32, input gradients for activation checkpointing),
+    and the quantisation's record (bits, data type, compute dtype, layers quantised); None
+    without --base-bits."""
+    if config.base_bits is None:
+        return None
+    from gradaccum.models import quantized
+
+    quantized.prepare_for_kbit_training(model, config.activation_checkpointing)
+    device = next(model.parameters()).device.type
+    record = spec_of(config, device).record()
+    layers = len(quantized.quantized_layers(model))
+    return {**record, "layers": layers, "stored_bytes": quantized.stored_bytes(model)}
 
 
 def record_of(model_info: ModelInfo) -> dict | None:
@@ -125,7 +144,15 @@ def opening_lines(model_info: ModelInfo) -> list[str]:
         return []
     names = {f.name for f in fields(lora.LoraInfo)}
     info = lora.LoraInfo(**{k: v for k, v in record.items() if k in names})
-    return [f"lora   {replace(info, targets=tuple(info.targets)).describe()}"]
+    lines = [f"lora   {replace(info, targets=tuple(info.targets)).describe()}"]
+    quant = record.get("base_quant")
+    if quant is not None:
+        lines.append(
+            f"base   {_quant_words(quant)}: its {quant['layers']} block linear layers in "
+            f"{quant['bits']} bits (bitsandbytes), {quant['stored_bytes'] / 1e6:,.2f} MB held in "
+            "all; embeddings, head, norms and biases as they were"
+        )
+    return lines
 
 
 def checkpoint_state(model_state: dict, model_config: dict) -> dict:
@@ -166,6 +193,14 @@ def resumed_model(
                 f"the run in {config.out} trained its adapters with {flag} "
                 f"{f'{was:g}' if isinstance(was, float) else was}; a resume keeps them",
             )
+    was_quant, is_quant = saved.get("base_quant"), now.get("base_quant")
+    if was_quant != is_quant:
+        raise BadInput(
+            "--base-bits",
+            config.base_bits,
+            f"the run in {config.out} trained its adapters on {_quant_words(was_quant)}, not "
+            f"{_quant_words(is_quant)}; a resume keeps the base as it was",
+        )
     if saved["base_sha256"] != now["base_sha256"]:
         raise BadInput(
             "--resume",
@@ -180,6 +215,15 @@ def resumed_model(
     except ValueError as err:
         raise BadInput("--resume", config.out, str(err)) from None
     return model, model_info
+
+
+def _quant_words(record: dict | None) -> str:
+    if record is None:
+        return "an unquantised base"
+    if record["bits"] == 8:
+        return "an 8-bit (LLM.int8) base"
+    double = ", double-quantised" if record.get("double_quant") else ""
+    return f"a 4-bit {record['quant']} base ({record['compute_dtype']} compute{double})"
 
 
 def tokenizer_source(config):

@@ -153,7 +153,7 @@ class Run:
         console = Console(enabled=rank_info.rank == 0, quiet=config.json)
         torch.manual_seed(config.seed)
         data = parts.load_data(config)
-        model, model_info = parts.new_model(config, data.info)
+        model, model_info = parts.new_model(config, data.info, rank_info.device)
         plan_config = config
         if config.task == "sft":
             measured = None
@@ -184,7 +184,7 @@ class Run:
         resume.check_metrics(config, ckpt)
         torch.manual_seed(config.seed)
         data = parts.load_data(config)
-        model, model_info = parts.checkpoint_model(config, data.info, ckpt.path)
+        model, model_info = parts.checkpoint_model(config, data.info, ckpt.path, rank_info.device)
         notes = resume.check_data(config, ckpt, data.info)
         if config.task == "sft":  # the windows are counted in examples, whatever the layout
             plan_config = sft.resume_plan_config(config, ckpt, data.train, rank_info.world_size)

@@ -21,6 +21,7 @@ from gradaccum.models.build import build_model
 from gradaccum.models.checkpointing import set_checkpointing
 from gradaccum.models.info import ModelInfo
 from gradaccum.models.optimizer import adamw
+from gradaccum.models.quantized_spec import spec_of
 from gradaccum.parallel.process_group import RankInfo
 from gradaccum.train import adapters, eval_set, moe, sft
 from gradaccum.train.config import TrainConfig
@@ -108,15 +109,20 @@ def check_document_mask(config: TrainConfig, model: torch.nn.Module, info: Model
         )
 
 
-def new_model(config: TrainConfig, data_info: DataInfo) -> tuple[torch.nn.Module, ModelInfo]:
+def new_model(
+    config: TrainConfig, data_info: DataInfo, device="cpu"
+) -> tuple[torch.nn.Module, ModelInfo]:
     """A new run's model: --model, --model-config or --init-from, sized for the data; with
-    --lora-rank, the adapters on it and the base frozen (`adapters.attach`)."""
+    --base-bits, its blocks' linear layers in 4 or 8 bits on `device`; with --lora-rank, the
+    adapters on it and the base frozen (`adapters.attach`)."""
     model, info = build_model(
         preset=config.preset,
         config_path=config.model_config,
         init_from=config.init_from,
         vocab_size=data_info.vocab_size,
         seq_len=config.seq_len,
+        quant=spec_of(config, torch.device(device).type),
+        device=device,
     )
     check_document_mask(config, model, info)
     moe.check(config, model)  # --moe-balance fits the model
@@ -124,13 +130,13 @@ def new_model(config: TrainConfig, data_info: DataInfo) -> tuple[torch.nn.Module
 
 
 def checkpoint_model(
-    config: TrainConfig, data_info: DataInfo, path: str
+    config: TrainConfig, data_info: DataInfo, path: str, device="cpu"
 ) -> tuple[torch.nn.Module, ModelInfo]:
     """A resumed run's model as trained: the config.json and weights of the checkpoint at
     `path`; BadInput naming --resume when the data no longer fits it. A LoRA checkpoint holds
     the adapters only: the base is built again as the new run built it (`adapters`)."""
     if config.lora_rank is not None:
-        return adapters.resumed_model(config, path, *new_model(config, data_info))
+        return adapters.resumed_model(config, path, *new_model(config, data_info, device))
     try:
         model, info = build_model(
             init_from=path, vocab_size=data_info.vocab_size, seq_len=config.seq_len

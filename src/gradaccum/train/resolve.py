@@ -115,6 +115,7 @@ def resolve_plan(
         flash_attention=device.type == "cuda",
         device_memory=devices.total_memory_bytes(device),
         trainable_params=adapters.trainable_params(model_info),  # LoRA: the frozen-base memory
+        base_bits=config.base_bits,  # QLoRA: the base's linear layers in 4 or 8 bits
     )
     per_rank_seq = None if target is None else smallest // (seq_len * world_size)
     if target is not None and per_rank_seq < 1:
