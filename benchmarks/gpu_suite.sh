@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The checks that need a GPU, in one script, about 10 minutes on one H200 (the parts' time
-# limits add up to 630 s; PARTS="train bench_sft" runs only the parts named, so the suite
-# can be split over two calls of a 10-minute limit):
+# The checks that need a GPU, in one script, about 15 minutes on one H200 (the parts' time
+# limits add up to 1,050 s; PARTS="train bench_sft" runs only the parts named, so the suite
+# can be split over calls of a 10-minute limit, e.g. PARTS=qlora_7b alone):
 #   1. equivalence on CUDA: the engine's window update against the exact float64 big batch in
 #      fp32, bf16 and fp16 (autocast), and DDP / FSDP2 under torchrun (benchmarks/gpu_equivalence.py);
 #   2. `gradaccum train --model gpt2-124m --precision bf16`: tokens/s and model FLOPs
@@ -12,7 +12,11 @@
 #   5. packing on CUDA: `gradaccum bench --task sft` (gradaccum's --packing modes against TRL
 #      padded and padding-free, where trl is installed) on GPT-2 124M from its config, and
 #      `gradaccum train --task sft --packing padding-free --compile` on the built-in GPT in
-#      bf16 (one shape: compiles once), and --document-mask pretraining.
+#      bf16 (one shape: compiles once), and --document-mask pretraining;
+#   6. the seeds' QLoRA case scaled to one card (benchmarks/qlora_gpu.py): Llama 2 7B's shape
+#      with random weights, NF4 base, LoRA rank 16, micro-batch 1 x 2048, k = 128, 2 optimizer
+#      steps timed after a warm-up, checkpointing off and on: time per micro-step, tokens/s,
+#      peak memory against the plan's figure (not run on a GPU yet).
 # Results: $RESULTS/gpu_suite.json and $RESULTS/gpu_suite.md (RESULTS defaults to
 # benchmarks/results). Each part has its own time limit; one that fails or times out is
 # recorded as such and the others still run.
@@ -102,11 +106,19 @@ part train_docmask 20 "$PY" -m gradaccum train --document-mask --model small --p
   --seq-len 512 --micro-batch 16 --max-steps 10 --eval-every 0 --save-every 0 --device cuda \
   --out "$WORK/docmask-run" --json
 
+# 6. QLoRA, the seeds' first example on one card ------------------------------------------
+# (its defaults: --seq-len 2048 --micro-batch 1 --accum-steps 128 --lora-rank 16). On a CPU,
+# PARTS=qlora_7b QLORA_FLAGS="--device cpu --tiny" RESULTS=/tmp/r bash benchmarks/gpu_suite.sh
+# runs this part and the results' code on a tiny Llama.
+# shellcheck disable=SC2086  # QLORA_FLAGS: several words
+part qlora_7b 420 "$PY" benchmarks/qlora_gpu.py --device cuda --steps 2 --checkpointing both \
+  --json "$WORK/qlora_7b.json" ${QLORA_FLAGS:-}
+
 # results ---------------------------------------------------------------------------------
 "$PY" - "$WORK" "$RESULTS" "$PEAK_TFLOPS" "$started" <<'PYEOF'
 import json, os, sys, time
 import torch
-from gradaccum.atomic import write_text_atomic
+from gradaccum.utils.atomic import write_text_atomic
 
 work, results, peak, started = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
 
@@ -138,6 +150,7 @@ out["bench"] = read("bench")
 out["fit"] = {**read("fit"), "json": load(os.path.join(work, "fit", "gpu_fit.json"))}
 for name in ("bench_sft", "train_sft", "train_docmask"):
     out[name] = read(name)
+out["qlora_7b"] = {**read("qlora_7b"), "json": load(os.path.join(work, "qlora_7b.json"))}
 write_text_atomic(os.path.join(results, "gpu_suite.json"), json.dumps(out, indent=2))
 
 md = [f"# GPU suite: {out['device']}, torch {out['torch']}, {out['wall_s']} s", ""]
@@ -181,6 +194,16 @@ for name, what in (("train_sft", "train --task sft padding-free --compile bf16")
     figures = (f"{s['tokens_per_s']:,.0f} tokens/s, loss {s.get('final_loss')}" if s
                else out[name]["last_line"])
     md.append(f"| {what} | {out[name]['status']} | {figures} |")
+q = out["qlora_7b"]["json"]
+if q:
+    md.append(f"| QLoRA {q['model']}, NF4, LoRA {q['lora']['rank']}, {q['micro_batch']} x "
+              f"{q['seq_len']}, k {q['accum_steps']} (qlora_gpu.py) | ok | " + "; ".join(
+        f"checkpointing {'on' if a['checkpointing'] else 'off'}: {a['micro_step_s'] * 1e3:.0f} ms"
+        f" per micro-step, {a['tokens_per_s']:,.0f} tokens/s, peak {a['peak_bytes'] / 1e9:.1f} GB"
+        f" (plan {a['plan_total_gb']:.1f} GB)" for a in q["arms"]) + " |")
+else:
+    md.append(f"| QLoRA 7B shape (qlora_gpu.py) | {out['qlora_7b']['status']} | "
+              f"{out['qlora_7b']['last_line']} |")
 write_text_atomic(os.path.join(results, "gpu_suite.md"), "\n".join(md) + "\n")
 print("\n".join(md))
 PYEOF

@@ -339,6 +339,7 @@ def test_cli_json_fields(fit_command, capsys):
         "batch_tolerance",
         "memory",
         "lora",
+        "base_quant",
         "candidates",
     }
     for c in d["candidates"]:

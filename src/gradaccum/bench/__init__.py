@@ -22,7 +22,9 @@ reports it (not on CPU).
 with a long tail and one Hugging Face model for gradaccum in each `--packing` mode, the hand
 loop, TRL's SFTTrainer (padded and padding-free) and the Trainer with a padding collator:
 target tokens/s, the share of computed positions that are padding, the update error, and
-peak memory (on the CPU, sampled resident memory).
+peak memory (on the CPU, sampled resident memory). With `--base-bits 4` (QLoRA) or
+`--lora-rank R` every contestant trains the same LoRA adapters on the same frozen (4-bit) base
+(`sft/adapters.py`), the update error taken against the float64 big batch on the dequantised base.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gradaccum.bench.settings import BENCH_DEFAULTS, BenchSettings
-from gradaccum.models.settings import ModelSettings
+from gradaccum.models.settings import LoraSettings, ModelSettings
 from gradaccum.parallel.settings import ParallelSettings
 from gradaccum.settings.command import Command, part
 from gradaccum.train.settings import BatchSettings, RunSettings
@@ -26,10 +26,17 @@ TRL's SFTTrainer padded and padding-free, the Trainer with a padding collator (-
 trl-padding-free, trainer). Its defaults: --micro-batch 8, --accum-steps 8, --seq-len 512
 (the longest example and the padding-free row), --micro-batch-tokens = --seq-len, --rounds 5,
 --windows 3. Figures: target tokens/s, padding share, peak memory, update error.
+--task sft --base-bits 4 (QLoRA): the same contestants train LoRA adapters (--lora-rank, 8 when
+not given) on one 4-bit base, each a copy of the same quantised model with the same starting
+adapters, all computing in fp32; the update error is against the float64 big batch on the
+dequantised base (the weights the 4-bit layers compute with). --lora-rank alone: LoRA on the
+fp32 base. Needs peft and bitsandbytes >= 0.47 (pip install 'gradaccum[qlora]').
 """
 
 COUNTS = ("micro_batch", "accum_steps", "seq_len", "rounds", "windows", "seed")
 SFT_COUNTS = COUNTS + ("micro_batch_tokens",)
+SFT_ONLY = ("micro_batch_tokens", "packing", "lora_rank", "base_bits", "base_quant")
+"""Flags `gradaccum bench` takes with --task sft only."""
 """The counts `gradaccum bench` takes; None when not given: the config's defaults
 (`BENCH_DEFAULTS`, which the help states) fill them in."""
 
@@ -43,6 +50,7 @@ COMMAND = Command(
         part(ModelSettings, "model", "model_config"),
         part(BatchSettings, "micro_batch", "accum_steps", "seq_len", "micro_batch_tokens"),
         part(BatchSettings, "packing"),
+        part(LoraSettings, "lora_rank", "base_bits", "base_quant"),
         part(BenchSettings),
         part(RunSettings, "seed"),
         part(ParallelSettings, "device"),
@@ -52,4 +60,8 @@ COMMAND = Command(
     epilog=_EPILOG,
     task_defaults=BENCH_DEFAULTS,
     defaults={"packing": "all of none, window, padding-free"},
+    notes={
+        "lora_rank": "--task sft only; 8 with --base-bits when not given.",
+        "base_bits": "--task sft only; --lora-rank defaults to 8 with it.",
+    },
 )

@@ -11,11 +11,11 @@ from gradaccum.bench.sft import report as sft_report
 from gradaccum.bench.sft.config import SFTBenchConfig
 from gradaccum.bench.sft.loops import PEERS as SFT_PEERS
 from gradaccum.bench.sft.measure import run_sft_bench
-from gradaccum.cli.bench import COUNTS, SFT_COUNTS
+from gradaccum.cli.bench import COUNTS, SFT_COUNTS, SFT_ONLY
 from gradaccum.cli.common import print_json
 from gradaccum.settings.command import namespace
 from gradaccum.utils.choices import PACKINGS
-from gradaccum.utils.errors import BadInput
+from gradaccum.utils.errors import BadInput, flag_name
 
 
 def _names(flag: str, text: str, known) -> tuple[str, ...]:
@@ -34,7 +34,8 @@ def sft_config_from_args(args: argparse.Namespace) -> SFTBenchConfig:
             args.model,
             "--task sft runs a Hugging Face model: give --model-config or nothing (a tiny Llama)",
         )
-    values = {d: getattr(args, d) for d in SFT_COUNTS if getattr(args, d) is not None}
+    names = SFT_COUNTS + ("lora_rank", "base_bits", "base_quant")
+    values = {d: getattr(args, d) for d in names if getattr(args, d) is not None}
     if args.peers is not None:
         values["peers"] = _names("--peers", args.peers, SFT_PEERS)
     if args.packing is not None:
@@ -44,12 +45,9 @@ def sft_config_from_args(args: argparse.Namespace) -> SFTBenchConfig:
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """The BenchConfig of the flags given (its own defaults for the rest)."""
-    for flag, value in (
-        ("--micro-batch-tokens", args.micro_batch_tokens),
-        ("--packing", args.packing),
-    ):
-        if value is not None:
-            raise BadInput(flag, value, "only with --task sft")
+    for dest in SFT_ONLY:
+        if getattr(args, dest) is not None:
+            raise BadInput(flag_name(dest), getattr(args, dest), "only with --task sft")
     values = {dest: getattr(args, dest) for dest in COUNTS if getattr(args, dest) is not None}
     if args.peers is not None:
         values["peers"] = _names("--peers", args.peers, PEERS)

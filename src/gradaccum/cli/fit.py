@@ -24,10 +24,13 @@ of the target it picks the fastest; among those within measurement noise of it (
 one that lands on the target, then the one with the most headroom. The table says what a
 choice off the target buys, and which faster size the tolerance left out.
 Memory is measured: the allocator's peak on accelerators; on CPU the bytes of parameters,
-gradients, buffers and optimizer state plus the tensors autograd saves for backward.
+gradients, buffers and optimizer state plus the tensors autograd saves for backward. With
+--base-bits the model probed is the one train builds: its linear layers in 4 or 8 bits
+(bitsandbytes), held at their stored size with their quantisation constants.
 Examples:
   gradaccum fit --memory-budget 1GB
   gradaccum fit --lora-rank 8 --memory-budget 1GB      # the base frozen, as train's LoRA
+  gradaccum fit --lora-rank 8 --base-bits 4 --memory-budget 1GB   # QLoRA: the base in NF4
   gradaccum fit --model-config gpt2/config.json --seq-len 1024 --precision bf16 \\
       --tokens-per-step 512k --device cuda
 """
@@ -44,6 +47,7 @@ COMMAND = Command(
         part(BatchSettings, "seq_len", "tokens_per_step"),
         part(PrecisionSettings),
         part(LoraSettings, "lora_rank", "lora_alpha", "lora_dropout", "lora_targets"),
+        part(LoraSettings, "base_bits", "base_quant"),
         part(FitSettings),
         part(ParallelSettings, "device"),
         part(RunSettings, "json"),

@@ -15,6 +15,7 @@ from gradaccum.data.tokens import DEFAULT_CORPUS_TOKENS, load_tokens
 from gradaccum.models import lora
 from gradaccum.models.build import build_model
 from gradaccum.models.loss import causal_lm_loss
+from gradaccum.models.quantized_spec import QuantSpec, check_base_flags, spec_of
 from gradaccum.models.settings import model_source
 from gradaccum.parallel import process_group
 from gradaccum.parallel.devices import check_device
@@ -27,9 +28,9 @@ def _one_line(err: BaseException, flag: str, value) -> BadInput:
     return BadInput(text) if text.startswith("--") else BadInput(flag, value, text)
 
 
-def _build(args: argparse.Namespace, source: tuple, device):
-    """Data and model (`source`: preset, config.json) as `gradaccum train` builds them;
-    `make_batch(b)` on `device`."""
+def _build(args: argparse.Namespace, source: tuple, device, quant: QuantSpec | None = None):
+    """Data and model (`source`: preset, config.json) as `gradaccum train` builds them, with
+    `quant` its linear layers in 4 or 8 bits on `device`; `make_batch(b)` on `device`."""
     preset, config_path = source
     # Probing reads at most one global batch: the built-in corpus need not be longer.
     tokens = min(DEFAULT_CORPUS_TOKENS, 2 * args.tokens_per_step + 4 * args.seq_len)
@@ -43,6 +44,8 @@ def _build(args: argparse.Namespace, source: tuple, device):
             config_path=config_path,
             vocab_size=info.vocab_size,
             seq_len=args.seq_len,
+            quant=quant,
+            device=device,
         )
     except (ValueError, OSError, ImportError) as err:
         flag = "--model-config" if config_path else "--model"
@@ -76,14 +79,40 @@ def lora_spec(args: argparse.Namespace) -> lora.LoraSpec | None:
     )
 
 
+def quant_spec(args: argparse.Namespace, device) -> QuantSpec | None:
+    """The quantised base --base-bits asks for (None without it), computed in fp32 on the CPU
+    and bf16 on an accelerator unless --precision says otherwise, as train's; it needs
+    --lora-rank (only adapters train on it), and --base-quant needs --base-bits 4."""
+    check_base_flags(args.base_bits, args.base_quant, args.lora_rank)
+    return spec_of(args, device.type)
+
+
+def base_record(args: argparse.Namespace, model, device) -> dict | None:
+    """With --base-bits: the quantisation probed (`QuantSpec.record`), its layers in fewer
+    bits and the bytes `model` holds (`models.quantized.stored_bytes`); None without."""
+    quant = quant_spec(args, device)
+    if quant is None:
+        return None
+    from gradaccum.models import quantized
+
+    layers = len(quantized.quantized_layers(model))
+    return {**quant.record(), "layers": layers, "stored_bytes": quantized.stored_bytes(model)}
+
+
 def probe_model(args: argparse.Namespace, source: tuple, device):
-    """The model fit probes and `make_batch(b)`: as `gradaccum train` builds them, with
-    --lora-rank the adapters applied and the base frozen (`models.lora.apply_lora`, as train
-    applies them before `--micro-batch auto` probes), so gradients, fp32 buffers and
-    optimizer state exist for the adapters only. Returns (model, make_batch, LoraInfo or
-    None)."""
+    """The model fit probes and `make_batch(b)`: as `gradaccum train` builds them. With
+    --base-bits the linear layers in 4 or 8 bits and the base prepared for k-bit training
+    (`models.quantized`, as train's `adapters.quantized_base`); with --lora-rank the adapters
+    applied and the base frozen (`models.lora.apply_lora`, as train applies them before
+    `--micro-batch auto` probes), so gradients, fp32 buffers and optimizer state exist for
+    the adapters only. Returns (model, make_batch, LoraInfo or None)."""
     spec = lora_spec(args)
-    model, make_batch = _build(args, source, device)
+    quant = quant_spec(args, device)
+    model, make_batch = _build(args, source, device, quant)
+    if quant is not None:
+        from gradaccum.models import quantized
+
+        quantized.prepare_for_kbit_training(model, checkpointing=not args.no_checkpointing)
     info = None if spec is None else lora.apply_lora(model, spec)
     return model, make_batch, info
 
@@ -126,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
         process_group.teardown(info)
     if adapters is not None:
         result.lora = adapters.to_dict()
+    result.base_quant = base_record(args, model, info.device)
     if info.rank == 0:
         if args.json:
             print_json(result.to_dict())

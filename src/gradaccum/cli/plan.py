@@ -95,9 +95,11 @@ COMMAND = Command(
 
 def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
     """PlanInputs from the parsed flags (None where not given: the plan says what it
-    assumed); raises BadInput naming the flag and value."""
+    assumed, and for the inputs no flag sets, counted on a model by `gradaccum train`);
+    raises BadInput naming the flag and value."""
     given = namespace(args, fill=False)
-    return PlanInputs(**{f.name: getattr(given, f.name) for f in dataclasses.fields(PlanInputs)})
+    names = [f.name for f in dataclasses.fields(PlanInputs)]
+    return PlanInputs(**{name: getattr(given, name, None) for name in names})
 
 
 def run(args: argparse.Namespace) -> int:

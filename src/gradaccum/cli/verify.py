@@ -10,7 +10,8 @@ import os
 
 from gradaccum.data.settings import DEFAULT_SPLIT, DataSettings
 from gradaccum.engine.settings import PrecisionSettings
-from gradaccum.models.settings import ModelSettings, model_source
+from gradaccum.models.quantized_spec import check_base_flags
+from gradaccum.models.settings import LoraSettings, ModelSettings, model_source
 from gradaccum.moe.settings import MoESettings
 from gradaccum.settings.command import Command, part
 from gradaccum.train.settings import BatchSettings, RunSettings
@@ -20,8 +21,10 @@ from gradaccum.verification.budget import MAX_SEQ_LEN
 from gradaccum.verification.settings import VerifySettings
 
 DEFAULT_PLOT = "precision_study.png"
+DEFAULT_LORA_RANK = 8
+"""The LoRA rank of --base-bits without --lora-rank."""
 
-_EPILOG = """\
+_EPILOG = f"""\
 The built-in check: a GPT of the chosen preset on token sequences of random lengths (micro-
 batches padded to their longest row). --task sft: the window is k x micro-batch SFT examples
 read and tokenized as `gradaccum train --task sft` reads them (the built-in instruction set,
@@ -31,12 +34,17 @@ only), each micro-batch padded to its longest, so the micro-batches hold differe
 targets. --packing window or padding-free cuts the same examples as `train --packing` does
 (by --micro-batch-tokens, or into padding-free rows of up to --seq-len with attention kept
 inside each example), checked against every example of the window padded into one unpacked
-batch. Examples:
+batch. --base-bits 4 or 8 (QLoRA): the model built with its blocks' linear layers in
+bitsandbytes' 4- or 8-bit layers on the CPU, LoRA adapters on it (rank {DEFAULT_LORA_RANK}
+unless --lora-rank says), checked against the same adapters on the dequantised base in
+float64; how far the dequantised weights are from the original ones is reported apart, as
+information. --lora-rank alone: the adapters on the full base. Examples:
   gradaccum verify
   gradaccum verify --task sft                # the built-in instruction set
   gradaccum verify --task sft --data sft.jsonl --k 8
   gradaccum verify --task sft --packing padding-free
   gradaccum verify --task sft --init-from path/to/model --data sft.jsonl --packing window
+  gradaccum verify --task sft --init-from path/to/model --base-bits 4   # QLoRA
   gradaccum verify --model-config path/to/config.json --k 8 --precision bf16
   gradaccum verify --world-size 2          # also DDP and FSDP2 over 2 gloo processes on CPU
   gradaccum verify --model tiny-moe --moe-balance micro   # a mixture of experts
@@ -51,6 +59,7 @@ COMMAND = Command(
     parts=(
         part(ModelSettings, "model", "model_config", "init_from"),
         part(MoESettings),
+        part(LoraSettings, "lora_rank", "base_bits", "base_quant"),
         part(RunSettings, "task"),
         part(
             DataSettings,
@@ -73,6 +82,13 @@ COMMAND = Command(
     defaults={"micro_batch": 4, "packing": "none", "seq_len": 64, "precision": None},
     exclusive=(("model", "model_config", "init_from"),),
     notes={
+        "lora_rank": f"With --base-bits and no --lora-rank: {DEFAULT_LORA_RANK}. Unlike "
+        "training, B starts small and random (drawn from --seed), not zero: with B = 0 every "
+        "A's gradient is zero and the check would compare zeros.",
+        "base_bits": f"Also without --lora-rank (rank {DEFAULT_LORA_RANK}). The reference is "
+        "the same adapters on the dequantised base in float64; the quantisation error "
+        "(dequantised weights against the original ones) is reported apart, not part of the "
+        "verdict.",
         "precision": "Default fp32; with --init-from, the dtype the folder's weights are "
         "stored in (bf16 weights: bf16), and --precision fp32 loads them in fp32.",
         "seq_len": f"Rows are ragged, this is the longest; at most {MAX_SEQ_LEN}: the float64 "
@@ -102,6 +118,7 @@ def parse_sizes(args) -> dict:
         raise BadInput("--k-max", sizes["k_max"], "must be a power of two, at most 1024")
     args.model, args.model_config = _model_source(args)
     _check_task(args)
+    _check_lora(args)
     _check_plot(args)
     return sizes
 
@@ -158,6 +175,22 @@ def _check_task(args) -> None:
         raise BadInput("--world-size", args.world_size, "runs on --task pretrain only")
     if args.precision_study:
         raise BadInput("--precision-study: runs on --task pretrain only")
+
+
+def _check_lora(args) -> None:
+    """--base-bits is 4 or 8 (`QuantSpec`), --base-quant needs --base-bits 4, and --base-bits
+    without --lora-rank takes DEFAULT_LORA_RANK. The adapters are checked in one process: the
+    ranks of --world-size and the precision study build the full model."""
+    args.lora_rank = check_base_flags(
+        args.base_bits, args.base_quant, args.lora_rank, DEFAULT_LORA_RANK
+    )
+    if args.lora_rank is None:
+        return
+    without = "runs the full model; give it without --lora-rank and --base-bits"
+    if args.world_size > 1:
+        raise BadInput("--world-size", args.world_size, without)
+    if args.precision_study:
+        raise BadInput(f"--precision-study: {without}")
 
 
 def _check_plot(args) -> None:

@@ -55,6 +55,7 @@ def run(args) -> int:
         moe_balance=moe,
         moe_shift=not case.shifted,
         previous_window=previous,
+        reference_model=case.reference,
     )
     if sizes["world_size"] > 1 and progress is not None:
         progress(f"{sizes['world_size']} gloo ranks, DDP and FSDP2, against one process")
@@ -64,9 +65,9 @@ def run(args) -> int:
         studied = study(case, sizes, args.plot, None if args.json else _study_progress)
     passed = all(check["passed"] for check in all_checks(report, world))
     if args.json:
-        print_json(report_json(report, world, args.task, window, studied))
+        print_json(report_json(report, world, args.task, window, studied, case.adapters))
     else:
-        print(render(case.description, sizes, report, world, studied, window))
+        print(render(case.description, sizes, report, world, studied, window, case.adapters))
     return 0 if passed else 1
 
 

@@ -18,7 +18,8 @@ class MemoryUse:
     """What one training step held at its peak, in bytes, by term."""
 
     params: int
-    """Parameters (unique storages: tied weights once)."""
+    """Parameters (unique storages: tied weights once); a 4- or 8-bit base's at their stored
+    size, with their quantisation constants (`quantization_constants`)."""
     grads: int
     """Gradients: the .grad tensors, plus the engine's fp32 buffers for 16-bit parameters."""
     buffers: int
@@ -50,6 +51,23 @@ def storage_bytes(tensors) -> int:
         if isinstance(t, torch.Tensor):
             sizes[storage_key(t)] = t.untyped_storage().nbytes()
     return sum(sizes.values())
+
+
+def quantization_constants(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The tensors a 4- or 8-bit base holds beside its packed weights, neither parameters nor
+    buffers: a 4-bit layer's absmax constants and code tables, an 8-bit layer's per-row
+    scales (on the weight, or in the layer's state when transformers loaded it). Empty for a
+    model with no bitsandbytes layer."""
+    from gradaccum.models import quantized
+
+    found = []
+    for _, layer in quantized.quantized_layers(model):
+        found += quantized.quant_state_tensors(layer)
+        state = getattr(layer, "state", None)
+        for scales in (getattr(layer.weight, "SCB", None), getattr(state, "SCB", None)):
+            if isinstance(scales, torch.Tensor):
+                found.append(scales)
+    return found
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer):

@@ -48,6 +48,7 @@ from gradaccum.fit.memory import (
     MemoryUse,
     SavedTensorCounter,
     optimizer_tensors,
+    quantization_constants,
     storage_bytes,
     storage_key,
 )
@@ -78,8 +79,18 @@ MIN_TIMED_STEPS = 2
 MAX_TIMED_STEPS = 8
 
 
-def _snapshot(model: torch.nn.Module) -> dict:
-    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+def _snapshot(model: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(tensor, a CPU copy) of what probe steps change: the parameters that train and the
+    buffers. A frozen base never changes and is not copied (a quantised one could not be
+    loaded back through `load_state_dict`, and a 7B base would take its size again)."""
+    changed = [p for p in model.parameters() if p.requires_grad] + list(model.buffers())
+    return [(t, t.detach().to("cpu", copy=True)) for t in changed]
+
+
+def _put_back(saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for tensor, copy in saved:
+            tensor.copy_(copy)
 
 
 def _default_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -100,7 +111,9 @@ class _Prober:
             raise ValueError("find_micro_batch: the model has no parameters that require grad")
         device = self.device = self.params[0].device
         self.counted = device.type in ("cpu", "mps")  # no allocator peak to read there
-        self.exclude = {storage_key(t) for t in (*model.parameters(), *model.buffers())}
+        self.constants = quantization_constants(model)  # a 4- or 8-bit base's
+        held = (*model.parameters(), *model.buffers(), *self.constants)
+        self.exclude = {storage_key(t) for t in held}
         self.block = first_block(model)
         self._grads: dict[tuple[str, int], int] = {}
         # Before the Accumulator's own hooks, which free 16-bit gradients into fp32 buffers.
@@ -142,7 +155,7 @@ class _Prober:
     def _state(self) -> dict:
         low = sum(4 * p.numel() for p in self.params if p.dtype in (torch.bfloat16, torch.float16))
         return {
-            "params": storage_bytes(self.model.parameters()),
+            "params": storage_bytes([*self.model.parameters(), *self.constants]),
             "grads": sum(self._grads.values()) + low,  # + the engine's fp32 buffers
             "buffers": storage_bytes(self.model.buffers()),
             "optimizer": storage_bytes(optimizer_tensors(self.optimizer)),
@@ -262,7 +275,7 @@ def _restored(model: torch.nn.Module, prober: _Prober):
         yield
     finally:
         prober.close()
-        model.load_state_dict(saved)
+        _put_back(saved)
         set_checkpointing(model, was_checkpointing)
         model.train(training)
         gc.collect()

@@ -55,6 +55,14 @@ def render_table(result: FitResult, fixed_k: bool = True) -> str:
             f"trainable of {lora['total']:,} parameters, the base frozen (gradients and "
             "optimizer state measured for the adapters only)"
         )
+    if result.base_quant is not None:
+        quant = result.base_quant
+        scheme = "LLM.int8" if quant["bits"] == 8 else quant["quant"].upper()
+        lines.append(
+            f"base in {quant['bits']} bits ({scheme}, bitsandbytes): {quant['layers']} linear "
+            f"layers; the model probed holds {fmt_bytes(quant['stored_bytes'])}, quantisation "
+            "constants and adapters included"
+        )
     ckpt = "on" if result.checkpointing else "off"
     lines.append(
         f"chosen: micro-batch {result.micro_batch} ({fmt_int(result.micro_batch * result.seq_len)}"

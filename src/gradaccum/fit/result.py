@@ -79,6 +79,10 @@ class FitResult:
     """With --lora-rank: what the probe's model trains (`models.lora.LoraInfo.to_dict`: rank,
     targets, trainable and total parameters); its base is frozen, so the gradients and the
     optimizer state measured are the adapters'."""
+    base_quant: dict | None = None
+    """With --base-bits: the quantised base probed (`QuantSpec.record`: bits, data type,
+    compute dtype), the linear layers it stores in fewer bits (`layers`) and the bytes the
+    probed model holds, constants and adapters included (`stored_bytes`)."""
 
     @property
     def target(self) -> Target:
@@ -108,6 +112,7 @@ class FitResult:
             "batch_tolerance": self.batch_tolerance,
             "memory": None if self.memory is None else asdict(self.memory),
             "lora": self.lora,
+            "base_quant": self.base_quant,
             "candidates": [c.to_dict() for c in self.candidates],
         }
 

@@ -82,7 +82,12 @@ def _quantized(preset, config_path, init_from, vocab_size, seq_len, dropout, dty
         config = folder.config
         positions = max_positions(config) or UNBOUNDED
         check_fits("--init-from", init_from, config.vocab_size, positions, vocab_size, seq_len)
-        model = hf_folder.load_model(folder, dtype=dtype, quant=quant, device=device)
+        # Computed in fp32, a bf16 folder is loaded in fp32 before it is quantised: else
+        # bitsandbytes' backward would use the bf16 weights its forward does not.
+        loaded = "fp32" if quant.compute_dtype == "fp32" else dtype
+        stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        model = hf_folder.load_model(folder, dtype=loaded, quant=quant, device=device)
+        model.base_dtype = stored  # what --merge-lora saves in (models.lora.base_dtype)
         source = f"HF {folder.describe()} from {init_from}"
         return model, hf_info(model, model.config, source, seq_len)
     model, info = build_model(preset, config_path, init_from, vocab_size, seq_len, dropout, dtype)

@@ -168,9 +168,7 @@ def quiet_transformers():
             logging.enable_progress_bar()
 
 
-def load_model(
-    folder: HFFolder | str, dtype: str = "auto", quant=None, device="cpu"
-) -> nn.Module:
+def load_model(folder: HFFolder | str, dtype: str = "auto", quant=None, device="cpu") -> nn.Module:
     """The causal LM of a Hugging Face folder with its weights, in training mode.
 
     dtype: "auto" keeps the stored dtype (bf16 stays bf16), "fp32" upcasts. A folder given as a

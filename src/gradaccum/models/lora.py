@@ -358,16 +358,24 @@ def export_adapter(model: nn.Module, folder: str, base=None, tokenizer=None) -> 
     return write_folder_atomic(folder, fill)
 
 
-def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+def merged_state_dict(
+    model: nn.Module, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
     """The base's state_dict with each adapted weight replaced by W + (alpha / r) B A
-    (computed in fp32, stored in W's dtype); the model is not changed."""
+    (computed in fp32, stored in W's dtype); the model is not changed. A base in 4 or 8 bits
+    (--base-bits) is dequantised first: W is the weight its layers computed with, and every
+    floating tensor is stored in `dtype` (the base's own dtype before quantisation), the
+    quantisation's constants left out."""
     model = unwrap(model)
     layers = dict(_lora_layers(model))
     adapters = {name for name, _ in _adapter_parameters(model)}
+    quantized = {f"{n}.weight": m for n, m in _quantized_layers(model)}
     merged = {}
     for key, value in model.state_dict().items():
-        if key in adapters:
+        if key in adapters or _is_quant_state(key, quantized):
             continue
+        if key in quantized:
+            value = _dequantized(quantized[key])
         module, _, leaf = key.rpartition(".")
         owner = module.removesuffix(".base_layer")
         if module.endswith(".base_layer") and owner in layers:
@@ -375,8 +383,30 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             if leaf == "weight":
                 delta = layers[owner].get_delta_weight(ADAPTER)
                 value = (value.float() + delta.float()).to(value.dtype)
+        if quantized and dtype is not None and value.is_floating_point():
+            value = value.to(dtype)
         merged[key] = value
     return merged
+
+
+def _quantized_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    from gradaccum.models.quantized import quantized_layers
+
+    return quantized_layers(model)
+
+
+def _dequantized(layer: nn.Module) -> torch.Tensor:
+    from gradaccum.models.quantized import dequantized_weight
+
+    return dequantized_weight(layer)
+
+
+def _is_quant_state(key: str, quantized: dict) -> bool:
+    """Whether a state_dict key is a quantised layer's constant (weight.absmax, SCB, ...)."""
+    module, _, leaf = key.rpartition(".")
+    if leaf in ("SCB", "weight_format"):  # LLM.int8's row scales and layout
+        return f"{module}.weight" in quantized
+    return any(key.startswith(weight + ".") for weight in quantized)  # weight.absmax, ...
 
 
 def export_merged(model: nn.Module, folder: str, tokenizer=None) -> str:
@@ -384,7 +414,7 @@ def export_merged(model: nn.Module, folder: str, tokenizer=None) -> str:
     model with save_pretrained, the built-in GPT as config.json and model.safetensors. The
     model itself keeps its adapters. Memory: a copy of every adapted weight. Returns folder."""
     model = unwrap(model)
-    merged = merged_state_dict(model)
+    merged = merged_state_dict(model, base_dtype(model))
     if isinstance(model, GPT):
         from safetensors.torch import save_file
 
@@ -397,13 +427,33 @@ def export_merged(model: nn.Module, folder: str, tokenizer=None) -> str:
 
         return write_folder_atomic(folder, fill)
     # A plain model of the same class, built without memory and given the merged tensors.
+    config = copy.deepcopy(model.config)
+    for key in ("quantization_config", "_pre_quantization_dtype"):
+        if hasattr(config, key):
+            delattr(config, key)
+    dtype = base_dtype(model)
+    if dtype is not None:
+        config.dtype = dtype
     with torch.device("meta"):
-        plain = type(model)(model.config)
+        plain = type(model)(config)
     plain.load_state_dict(merged, assign=True, strict=True)
     plain.tie_weights()
     if getattr(model, "generation_config", None) is not None:
         plain.generation_config = model.generation_config
     return export_hf_model(plain, folder, tokenizer=tokenizer)
+
+
+def base_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype of a quantised base's weights before quantisation (a folder's stored dtype,
+    recorded as `base_dtype` when it was loaded; the built-in GPT's is fp32); None for a base
+    not quantised."""
+    if not _quantized_layers(model):
+        return None
+    config = getattr(model, "config", None)
+    dtype = getattr(model, "base_dtype", None) or getattr(config, "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
 
 
 def _gpt_config(model: GPT) -> dict:

@@ -25,7 +25,7 @@ quantisation constants included (the memory test against the planner's figure).
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import logging
 import warnings
 
 import torch
@@ -68,20 +68,28 @@ def require_bitsandbytes(bits=None):
     return bitsandbytes
 
 
+BNB_LOGGER = "bitsandbytes.autograd._functions"
+"""The logger of bitsandbytes' notice at every forward of an LLM.int8 layer on non-fp16 inputs
+("MatMul8bitLt: inputs will be cast from torch.float32 to float16")."""
+
+
 @contextlib.contextmanager
 def quiet():
-    """bitsandbytes' per-call notices off inside the block ("MatMul8bitLt: inputs will be
-    cast from torch.float32 to float16", warned at every forward of an fp32 LLM.int8 layer)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*MatMul8bitLt.*")
-        warnings.filterwarnings("ignore", module="bitsandbytes")
-        yield
+    """bitsandbytes' per-call notices and warnings off inside the block, as they were after."""
+    logger = logging.getLogger(BNB_LOGGER)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", module="bitsandbytes")
+            yield
+    finally:
+        logger.setLevel(level)
 
 
 def silence() -> None:
-    """The same notices off for the whole process (a run's every forward)."""
-    warnings.filterwarnings("ignore", message=".*MatMul8bitLt.*")
-    warnings.filterwarnings("ignore", message=".*inputs will be cast.*")
+    """bitsandbytes' per-call notice off for the whole process (a run's every forward)."""
+    logging.getLogger(BNB_LOGGER).setLevel(logging.ERROR)
 
 
 def quantization_config(spec: QuantSpec):
@@ -237,28 +245,16 @@ def stored_bytes(model: nn.Module) -> int:
     tensors = [*model.parameters(), *model.buffers()]
     for _, layer in quantized_layers(model):
         tensors += quant_state_tensors(layer)
-        scb = getattr(layer.weight, "SCB", None)
-        if isinstance(scb, torch.Tensor):
-            tensors.append(scb)
+        state = getattr(layer, "state", None)
+        for scb in (getattr(layer.weight, "SCB", None), getattr(state, "SCB", None)):
+            if isinstance(scb, torch.Tensor):  # LLM.int8's row scales, where the layer keeps them
+                tensors.append(scb)
     for t in tensors:
         if id(t) in seen:
             continue
         seen.add(id(t))
         total += t.numel() * t.element_size()
     return total
-
-
-def fingerprint(model: nn.Module, spec: QuantSpec) -> str:
-    """sha256 of the quantisation settings and the quantised base's stored tensors (the
-    packed weights and their constants, the unquantised parameters), for a resume's check."""
-    digest = hashlib.sha256(repr(sorted(spec.record().items())).encode())
-    for name, t in sorted(model.state_dict().items()):
-        if not isinstance(t, torch.Tensor):
-            continue
-        t = t.detach().to("cpu").contiguous()
-        digest.update(f"{name} {t.dtype} {tuple(t.shape)}\n".encode())
-        digest.update(t.reshape(-1).view(torch.uint8).numpy())
-    return digest.hexdigest()
 
 
 def prepare_for_kbit_training(model: nn.Module, checkpointing: bool = False) -> None:

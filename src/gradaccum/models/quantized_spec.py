@@ -53,6 +53,27 @@ class QuantSpec:
         )
 
 
+def check_base_flags(
+    base_bits, base_quant, lora_rank, default_rank: int | None = None
+) -> int | None:
+    """--base-bits is 4 or 8 (QuantSpec), --base-quant needs --base-bits 4, and a quantised
+    base trains adapters only: without --lora-rank, `default_rank` (verify's and bench's) or
+    one line naming --base-bits. The LoRA rank to use."""
+    if base_bits is not None:
+        QuantSpec(base_bits, base_quant or DEFAULT_QUANT)  # 4 or 8, nf4 or fp4
+        if lora_rank is None and default_rank is None:
+            raise BadInput(
+                "--base-bits",
+                base_bits,
+                "a quantised base cannot be trained in full; give --lora-rank R to train "
+                "adapters on it (QLoRA)",
+            )
+        lora_rank = lora_rank or default_rank
+    if base_quant is not None and base_bits != 4:
+        raise BadInput("--base-quant", base_quant, "needs --base-bits 4")
+    return lora_rank
+
+
 def compute_dtype_for(precision: str | None, device_type: str) -> str:
     """The compute dtype of a 4-bit layer: --precision's when it names one, else bf16 on an
     accelerator and fp32 on the CPU."""

@@ -63,6 +63,12 @@ class PlanInputs(
     lora_rank: int | None = None  # the adapters, counted from the model's shape, train
     base_bits: int | None = None  # the frozen base in 4, 8 or 16 bits (LoraSettings)
     lr_rule: str | None = None  # none with a batch schedule, else sqrt (adamw), linear (sgd)
+    base_linear_weights: tuple[int, int] | None = None
+    """(weights, output rows) of the linear layers a 4- or 8-bit base stores in fewer bits,
+    counted on the model itself (`gradaccum train`: a gated MLP, grouped key/value heads,
+    experts, which the shape from --layers ... does not describe); its base is wholly frozen,
+    what trains comes on top. No flag: None counts them from the shape
+    (`quantized.linear_weights`)."""
 
     def __post_init__(self):
         if isinstance(self.batch_schedule, str):
@@ -100,8 +106,11 @@ class PlanInputs(
 
     def _check_base_bits(self) -> None:
         """--base-bits: one of BASE_BITS, for a frozen base only; 4 and 8 quantise the blocks'
-        linear layers, which the model's shape gives."""
+        linear layers, which the model's shape gives (or the model, `base_linear_weights`)."""
         bits = self.base_bits
+        counted = self.base_linear_weights
+        if counted is not None and not (len(counted) == 2 and 1 <= counted[1] <= counted[0]):
+            raise ValueError(f"base_linear_weights {counted}: expected 1 <= rows <= weights")
         if bits is None:
             return
         if isinstance(bits, bool) or bits not in BASE_BITS:
@@ -114,7 +123,7 @@ class PlanInputs(
                 "only a frozen base is stored in fewer bits; give --lora-rank or "
                 "--trainable-params (the part that trains keeps --precision)",
             )
-        if bits < 16 and self.model is None and self.layers is None:
+        if bits < 16 and self.model is None and self.layers is None and counted is None:
             raise BadInput(
                 "--base-bits",
                 bits,

@@ -19,7 +19,7 @@ from gradaccum.plan.batch import (
 from gradaccum.plan.communication import traffic
 from gradaccum.plan.inputs import PlanInputs, show_value
 from gradaccum.plan.presets import ModelShape, custom, preset
-from gradaccum.plan.quantized import QuantizedBase, quantized_base
+from gradaccum.plan.quantized import QuantizedBase, quantized_base, stored_base
 from gradaccum.plan.result import Plan
 from gradaccum.plan.sizes import fmt_int
 from gradaccum.utils.errors import BadInput
@@ -54,6 +54,8 @@ def _quantized(i: PlanInputs, shape, params, trainable) -> QuantizedBase | None:
     """The frozen base's part stored at --base-bits (None without it or without a size)."""
     if i.base_bits is None or params is None:
         return None
+    if i.base_linear_weights is not None and i.base_bits < 16:  # counted on the model
+        return stored_base(i.base_bits, *i.base_linear_weights)
     if i.lora_rank is not None:  # the adapters come on top of a base wholly frozen
         return quantized_base(i.base_bits, shape, params)
     return quantized_base(i.base_bits, shape, params - trainable, trained_from_base=trainable)

@@ -86,6 +86,16 @@ def int8_bytes(n: int, rows: int) -> int:
     return n + 4 * rows
 
 
+def stored_base(bits: int, weights: int, rows: int) -> QuantizedBase:
+    """`weights` linear weights with `rows` output rows stored in 4 or 8 bits, constants
+    included (module docstring)."""
+    if bits == 4:
+        return QuantizedBase(4, weights, nf4_bytes(weights), "NF4, double-quantised constants")
+    if bits == 8:
+        return QuantizedBase(8, weights, int8_bytes(weights, rows), "LLM.int8")
+    raise ValueError(f"bits {bits}: expected 4 or 8")
+
+
 def quantized_base(
     bits: int, shape: ModelShape | None, frozen: int, trained_from_base: int = 0
 ) -> QuantizedBase:
@@ -105,6 +115,4 @@ def quantized_base(
         raise ValueError("a 4- or 8-bit base needs the model's shape")
     weights, rows = linear_weights(shape)
     n = min(frozen, max(0, weights - trained_from_base))
-    if bits == 4:
-        return QuantizedBase(4, n, nf4_bytes(n), "NF4, double-quantised constants")
-    return QuantizedBase(8, n, int8_bytes(n, rows * n // weights), "LLM.int8")
+    return stored_base(bits, n, rows * n // weights)

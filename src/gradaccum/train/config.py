@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, fields
 
 from gradaccum.data.settings import DataSettings
 from gradaccum.engine.settings import PrecisionSettings
-from gradaccum.models.quantized_spec import DEFAULT_QUANT, QuantSpec
+from gradaccum.models.quantized_spec import check_base_flags
 from gradaccum.models.settings import LoraSettings, ModelSettings
 from gradaccum.moe.settings import MoESettings
 from gradaccum.parallel.settings import ParallelSettings
@@ -117,17 +117,7 @@ class TrainConfig(*reversed(COMPONENTS)):
     def _check_lora(self) -> None:
         """The --lora-* flags and --base-bits need --lora-rank; --base-bits is 4 or 8,
         --base-quant is for 4."""
-        if self.base_bits is not None:
-            QuantSpec(self.base_bits, self.base_quant or DEFAULT_QUANT)  # 4 or 8, nf4 or fp4
-            if self.lora_rank is None:
-                raise BadInput(
-                    "--base-bits",
-                    self.base_bits,
-                    "a quantised base cannot be trained in full; give --lora-rank R to train "
-                    "adapters on it (QLoRA)",
-                )
-        if self.base_quant is not None and self.base_bits != 4:
-            raise BadInput("--base-quant", self.base_quant, "needs --base-bits 4")
+        check_base_flags(self.base_bits, self.base_quant, self.lora_rank)
         if self.lora_rank is None:
             for name in ("lora_alpha", "lora_dropout", "lora_targets", "merge_lora"):
                 value = getattr(self, name)

@@ -30,7 +30,7 @@ from gradaccum.engine.accumulator import Accumulator, StepResult
 from gradaccum.models.loss import causal_lm_loss
 from gradaccum.parallel import devices
 from gradaccum.parallel.process_group import RankInfo, init_distributed, teardown
-from gradaccum.train import micro_batch, moe, parts, sft, sft_plan, summary
+from gradaccum.train import adapters, micro_batch, moe, parts, sft, sft_plan, summary
 from gradaccum.train.batch_state import BatchState
 from gradaccum.train.checks import prepare
 from gradaccum.train.config import AUTO, TrainConfig
@@ -486,6 +486,9 @@ class Run:
                 tokenizer = self.sft.tokenizer_dir if self.sft is not None else None
                 model, at = parts.unwrapped(self.model), f"step {step}/{self.batch.total}"
                 files += outputs.export_model(model, self.model_info, tokenizer, at)
+                line = adapters.merge_line(model, config) if "merged/" in files else None
+                if line:  # --merge-lora on a base in 4 or 8 bits: what the merge changed
+                    self.console.say(line)
                 if config.save_best:  # after the final export: its weights are loaded over
                     files += outputs.export_best(model, self.model_info, tokenizer, step, at)
             title = summary.plot_title(records, self)

@@ -8,10 +8,13 @@ measured) is settled here by `micro_batch.unmeasured`, see `gradaccum.train.micr
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 
+from gradaccum.models import quantized
+from gradaccum.models.gpt import GPT, GPTConfig
+from gradaccum.models.info import ModelInfo
 from gradaccum.parallel import devices
 from gradaccum.plan import Plan, PlanInputs, make_plan, render_table
 from gradaccum.train import adapters, micro_batch
@@ -79,12 +82,14 @@ def resolve_run(
     if epoch_tokens is not None and plan_config.max_steps is None:
         tokens = min(plan_config.max_tokens or epoch_tokens, epoch_tokens)
         plan_config = replace(plan_config, max_tokens=tokens)
-    resolved = resolve_plan(plan_config, model_info, world, device, batch_schedule=schedule)
+    linears = base_linear_weights(model_info) if config.base_bits else None
+    plan = dict(batch_schedule=schedule, base_linears=linears)
+    resolved = resolve_plan(plan_config, model_info, world, device, **plan)
     if epoch_tokens is not None and plan_config.max_steps is not None:
         steps = -(-epoch_tokens // resolved.tokens_per_step)
         if steps < resolved.total_steps:
             plan_config = replace(plan_config, max_steps=steps)
-            resolved = resolve_plan(plan_config, model_info, world, device, batch_schedule=schedule)
+            resolved = resolve_plan(plan_config, model_info, world, device, **plan)
     return resolved
 
 
@@ -94,11 +99,14 @@ def resolve_plan(
     world_size: int,
     device: torch.device,
     batch_schedule: str | None = None,
+    base_linears: tuple[int, int] | None = None,
 ) -> Resolved:
     """Micro-batch, k, steps and warmup for `config` on `device`; BadInput if none. A
     --batch-schedule run's batch rows are its first window's. With a (fixed)
     `batch_schedule`, the plan covers the whole run phase by phase with its --lr-rule and
-    --lr, as `gradaccum plan --batch-schedule ... --base-lr ... --lr-rule ...` prints it."""
+    --lr, as `gradaccum plan --batch-schedule ... --base-lr ... --lr-rule ...` prints it.
+    base_linears: with --base-bits, the model's linear layers stored in 4 or 8 bits
+    (`base_linear_weights`); None: the plan counts them from the shape."""
     seq_len, k = config.seq_len, config.accum_steps
     target, smallest, flag = targets(config)
     base = dict(
@@ -116,6 +124,7 @@ def resolve_plan(
         device_memory=devices.total_memory_bytes(device),
         trainable_params=adapters.trainable_params(model_info),  # LoRA: the frozen-base memory
         base_bits=config.base_bits,  # QLoRA: the base's linear layers in 4 or 8 bits
+        base_linear_weights=base_linears,
     )
     per_rank_seq = None if target is None else smallest // (seq_len * world_size)
     if target is not None and per_rank_seq < 1:
@@ -156,3 +165,43 @@ def resolve_plan(
     if config.warmup_steps is not None and config.warmup_steps > steps:
         raise BadInput(f"--warmup-steps {config.warmup_steps}: longer than the run ({steps} steps)")
     return Resolved(plan=plan, warmup_steps=config.warmup(steps))
+
+
+def base_linear_weights(model_info: ModelInfo) -> tuple[int, int] | None:
+    """(weights, output rows) of the linear layers a 4- or 8-bit base stores in fewer bits,
+    counted on the run's model rebuilt from its config on the meta device (shapes, no
+    memory): every linear layer but the output head and a router (`models.quantized`), and
+    transformers' Conv1D (GPT-2's), which transformers quantises as linear layers. The plan's
+    shape from layers, width and heads is a GPT block's (a 4h MLP, keys and values of full
+    width); this is the model's own (a gated MLP of its width, grouped key/value heads,
+    experts). None when the config does not rebuild: the plan then counts from the shape."""
+    try:
+        with torch.device("meta"):
+            model = _skeleton(model_info)
+    except (ImportError, ValueError, TypeError, KeyError):
+        return None
+    weights = rows = 0
+    for _, layer in quantized.quantizable_layers(model):
+        weights += layer.in_features * layer.out_features
+        rows += layer.out_features
+    for layer in model.modules():
+        if type(layer).__name__ == "Conv1D":  # weight (in, out), out = nf
+            weights += layer.weight.numel()
+            rows += layer.nf
+    return (weights, rows) if weights else None
+
+
+def _skeleton(model_info: ModelInfo) -> torch.nn.Module:
+    """The model `model_info` describes, built from its config alone (its LoRA record and a
+    quantised model's quantization_config left out)."""
+    config = {
+        k: v
+        for k, v in model_info.config.items()
+        if k not in (adapters.RECORD, "quantization_config")
+    }
+    if model_info.kind == "gpt":
+        names = {f.name for f in fields(GPTConfig)}
+        return GPT(GPTConfig(**{k: v for k, v in config.items() if k in names}))
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))

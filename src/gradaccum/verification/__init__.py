@@ -6,10 +6,11 @@
   one relative-error measure, and the bounds of AdamW's drift;
 - `lint`: what in a model or loss breaks equivalence (batch statistics, dropout RNG, means);
 - `precision_study`: the error of accumulating in each precision as k grows;
+- `qlora`: LoRA adapters on the model, a quantised base (--base-bits) checked against its
+  dequantised copy in float64, and the quantisation error reported apart;
 - `ranks` and `equivalence`: N gloo ranks on CPU (DDP, FSDP2) against one process taking the
   whole batch (`gradaccum.testing` re-exports them).
 """
-
 
 from gradaccum.utils.lazy import lazy_exports
 

@@ -16,6 +16,7 @@ from gradaccum import hf
 from gradaccum.data.tokenizers import ByteTokenizer
 from gradaccum.models.build import build_model
 from gradaccum.models.loss import causal_lm_loss
+from gradaccum.models.quantized_spec import QuantSpec, spec_of
 from gradaccum.moe.router import moe_spec
 from gradaccum.utils.errors import BadInput
 from gradaccum.verification.budget import RANK_BYTES_PER_PARAMETER
@@ -24,6 +25,13 @@ from gradaccum.verification.equivalence import EquivalenceSetup, check_equivalen
 from gradaccum.verification.lint import quiet_rng
 from gradaccum.verification.moe_check import check_mode
 from gradaccum.verification.precision_study import derive_tolerances, precision_study, write_plot
+from gradaccum.verification.qlora import (
+    Adapters,
+    adapt,
+    check_dense,
+    dequantized_reference,
+    quantization_error,
+)
 from gradaccum.verification.sft import Reading, SFTWindow, read_examples, sft_window
 
 BUILTIN_VOCAB = 256
@@ -81,18 +89,29 @@ class Case:
     precision: str = "fp32"
     """The engine's precision: --precision, or where not given the dtype the --init-from
     folder's weights are stored in (`WEIGHT_PRECISIONS`), else fp32."""
+    adapters: Adapters | None = None
+    """--lora-rank or --base-bits: the LoRA on the model and its quantised base
+    (`verification.qlora`); None for the full model."""
+    reference: object = None
+    """The model the float64 big batch runs on where `model` cannot be cast to float64: with
+    --base-bits, its dequantised copy with the same adapters; None: a copy of `model`."""
 
 
 def build_case(args, sizes: dict) -> Case:
     """The model of --model, --model-config or --init-from, seeded as the ranks build it (a
-    folder keeps its own weights); `sizes`: the window's (`cli/verify.parse_sizes`)."""
+    folder keeps its own weights); with --base-bits built quantised on the CPU, and with
+    --lora-rank (or --base-bits) given LoRA adapters (`_adapt`). `sizes`: the window's
+    (`cli/verify.parse_sizes`)."""
     sft = getattr(args, "task", "pretrain") == "sft"
     init_from = getattr(args, "init_from", None)
+    quant = spec_of(args, "cpu")  # None without --base-bits
     try:
         if init_from is not None:
-            case = _folder_case(args, sizes["seq_len"], sft)
+            case = _folder_case(args, sizes["seq_len"], sft, quant)
         else:
-            case = _seeded_case(args, sizes, sft)
+            case = _seeded_case(args, sizes, sft, quant)
+        if getattr(args, "lora_rank", None) is not None:
+            _adapt(case, args, sizes["seed"], quant)
     except BadInput:
         raise
     except ValueError as err:  # the model's own one-line reason, naming the flag
@@ -101,20 +120,23 @@ def build_case(args, sizes: dict) -> Case:
     return case
 
 
-def _seeded_case(args, sizes: dict, sft: bool) -> Case:
-    """--model or --model-config: random weights drawn from the seed, byte tokens for SFT."""
+def _seeded_case(args, sizes: dict, sft: bool, quant: QuantSpec | None = None) -> Case:
+    """--model or --model-config: random weights drawn from the seed (with `quant`, quantised
+    from them), byte tokens for SFT."""
     seed, seq_len = sizes["seed"], sizes["seq_len"]
     vocab = SFT_VOCAB if sft else BUILTIN_VOCAB
     if args.model_config is not None:
-        model, info = build_model(config_path=args.model_config, seq_len=seq_len)
+        source = {"config_path": args.model_config}
         factory = functools.partial(hf_causal_lm, path=args.model_config)
         loss_fn, count, shifted = hf.loss_fn, hf.count_tokens, False
     else:
-        model, info = build_model(preset=args.model, vocab_size=vocab, seq_len=seq_len)
+        source = {"preset": args.model, "vocab_size": vocab}
         factory = functools.partial(
             builtin_gpt, preset=args.model, vocab_size=vocab, seq_len=seq_len
         )
         loss_fn, count, shifted = causal_lm_loss, "auto", True
+    torch.manual_seed(seed)  # the draws of factory(seed): the weights the ranks build
+    model, info = build_model(**source, seq_len=seq_len, quant=quant, device="cpu")
     if sft and info.vocab_size < SFT_VOCAB:
         raise BadInput(
             "--model-config",
@@ -122,25 +144,35 @@ def _seeded_case(args, sizes: dict, sft: bool) -> Case:
             f"vocabulary of {info.vocab_size}; --task sft feeds byte tokens, ids up to "
             f"{SFT_VOCAB - 1}",
         )
-    model.load_state_dict(factory(seed).state_dict())  # the seeded weights the ranks build
     words = f"{info.source} ({info.params:,} parameters)"
     tokenizer = ByteTokenizer() if sft else None
     return Case(model, words, info.vocab_size, factory, loss_fn, count, shifted, info, tokenizer)
 
 
-def _folder_case(args, seq_len: int, sft: bool) -> Case:
+def _folder_case(args, seq_len: int, sft: bool, quant: QuantSpec | None = None) -> Case:
     """--init-from: the folder's model with its weights, loaded in the dtype they are stored
     in unless --precision fp32 asks for fp32 (`gradaccum.models.build.build_model`, as `train`
-    loads it), and for SFT its tokenizer as `train --task sft` reads it
+    loads it; with `quant`, quantised from them, loaded in fp32 where the layers compute in
+    fp32), and for SFT its tokenizer as `train --task sft` reads it
     (`gradaccum.train.sft.tokenizer_for`: the folder's own, bytes for a built-in GPT's
     checkpoint)."""
     from gradaccum.train.sft import tokenizer_for  # the trainer's rule, imported when used
 
     tokenizer = tokenizer_for(args)[0] if sft else None
     dtype = "fp32" if getattr(args, "precision", None) == "fp32" else "auto"
+    if quant is not None and quant.compute_dtype == "fp32":
+        # bitsandbytes' 4-bit forward dequantises in fp32 but its backward in the dtype the
+        # weights were loaded in: from bf16 weights the two differ by bf16's rounding (4e-3 on
+        # the adapters' gradient), which no one reference reproduces
+        dtype = "fp32"
     vocab = tokenizer.vocab_size if tokenizer is not None else None
     model, info = build_model(
-        init_from=args.init_from, vocab_size=vocab, seq_len=seq_len, dtype=dtype
+        init_from=args.init_from,
+        vocab_size=vocab,
+        seq_len=seq_len,
+        dtype=dtype,
+        quant=quant,
+        device="cpu",
     )
     factory = functools.partial(folder_model, path=args.init_from, dtype=dtype)
     if info.kind == "hf":
@@ -149,6 +181,24 @@ def _folder_case(args, seq_len: int, sft: bool) -> Case:
         loss_fn, count, shifted = causal_lm_loss, "auto", True
     words = f"{info.source} ({info.params:,} parameters)"
     return Case(model, words, info.vocab_size, factory, loss_fn, count, shifted, info, tokenizer)
+
+
+def _adapt(case: Case, args, seed: int, quant: QuantSpec | None) -> None:
+    """--lora-rank: `qlora.adapt` on the case's model. With --base-bits, first how far its
+    quantised weights are from the originals (the --init-from folder loaded again, or the
+    model built again from the seed: `case.factory`, unquantised), and after it the float64
+    reference: the model's dequantised copy with the same adapters."""
+    quantization = None
+    if quant is not None:
+        check_dense(case.model, quant)
+        if args.init_from is not None:
+            where = f"--init-from {args.init_from} loaded again without quantisation"
+        else:
+            where = f"the model built again from --seed {seed} without quantisation"
+        quantization = quantization_error(case.model, quant, case.factory(seed), where)
+    case.adapters = adapt(case.model, args.lora_rank, seed, quantization)
+    if quant is not None:
+        case.reference = dequantized_reference(case.model)
 
 
 def _weights_precision(model: torch.nn.Module) -> str:

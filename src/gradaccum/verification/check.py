@@ -207,6 +207,7 @@ def verify(
     moe_balance: str | None = None,
     moe_shift: bool = False,
     previous_window: Sequence | None = None,
+    reference_model: torch.nn.Module | None = None,
 ) -> VerifyReport:
     """Check that one window of `micro_batches` through `Accumulator` gives the gradient of
     the same data as one big batch, on copies of `model`.
@@ -222,6 +223,10 @@ def verify(
     moe_balance: a mixture of experts' load-balancing mode checked (default global; none for
       a dense model): `VerifyReport.moe`, part of `passed`. moe_shift: labels unshifted, as
       `gradaccum.hf` takes them. previous_window: the window "global-previous" takes f from.
+    reference_model: the model the float64 big batches and the lint's runs use in place of a
+      copy of `model`, where `model` cannot be cast to float64 (a quantised base: its
+      dequantised copy with the same adapters, `verification.qlora`); its trainable
+      parameters are `model`'s, in the same order. Not changed.
     Raises BadInput on arguments that cannot work.
     """
     say = progress or (lambda words: None)
@@ -232,9 +237,13 @@ def verify(
     with torch.random.fork_rng(devices=devices, device_type=devices[0].type if devices else "cuda"):
         prepared = copy.deepcopy(model)
         quieted = quiet_rng(prepared)
+        exact = prepared
+        if reference_model is not None:
+            exact = copy.deepcopy(reference_model)
+            quiet_rng(exact)
         whole = _whole_batch(micro_batches, big_batch, concat)
         say("the big batch in float64")
-        ref = big_batch_reference(prepared, whole, loss_fn, seed)
+        ref = big_batch_reference(exact, whole, loss_fn, seed)
         options = {"precision": precision, "count_tokens": count_tokens}
         if any(is_low_precision(p.dtype) for _, p in trainable(prepared)):
             options["master_weights"] = True  # the fp32 buffer itself reaches the optimizer
@@ -255,12 +264,13 @@ def verify(
             concat,
             make_optimizer,
             ref_after,
+            exact,
         )
         if wrong_ways:
             say(f"the usual mistakes ({len(WRONG_WAYS)}), same data, same engine")
         ways = _wrong_ways(context, big_batch) if wrong_ways else {}
         say("the lint")
-        findings = lint(prepared, micro_batches, whole, loss_fn, ref, quieted, seed)
+        findings = lint(prepared, micro_batches, whole, loss_fn, ref, quieted, seed, exact)
         report = _report(
             params, ref, precision, tolerance, len(micro_batches), ways, findings, quieted
         )
@@ -383,6 +393,8 @@ class _Context:
     concat: Callable | None
     make_optimizer: Callable
     ref_after: torch.nn.Module
+    exact: torch.nn.Module
+    """What the big batches run on: `model`, or verify's `reference_model`."""
 
 
 def _wrong_ways(c: _Context, big_batch) -> dict[str, float | None]:
@@ -408,7 +420,9 @@ def _wrong_ways(c: _Context, big_batch) -> dict[str, float | None]:
     out = {name: _error(result, c.ref.grads) for name, result in out.items()}
     out["step_every_micro_batch"] = _step_every(c)
     out["short_window_over_k"] = _short_window(c) if k >= 2 and big_batch is None else None
-    bf16 = copy.deepcopy(c.model).to(torch.bfloat16)
+    # torch's cast, not a subclass's: transformers refuses .to(dtype) for a model it loaded
+    # with a quantised base, whose packed integer weights torch's cast leaves as they are
+    bf16 = torch.nn.Module.to(copy.deepcopy(c.model), torch.bfloat16)
     out["bf16_accumulation"] = _error(
         _try(
             lambda: engine_grads(
@@ -456,7 +470,7 @@ def _short_window(c: _Context) -> float | None:
     the k/2 it ran, and the loss here is scaled by (k/2)/k to make that a division by k."""
     k = len(c.micro_batches)
     short = c.micro_batches[: k // 2]
-    ref = big_batch_reference(c.model, (c.concat or concat_batches)(short), c.loss_fn, c.seed)
+    ref = big_batch_reference(c.exact, (c.concat or concat_batches)(short), c.loss_fn, c.seed)
 
     def over_k(model, batch):
         loss_sum, n = c.loss_fn(model, batch)

@@ -81,8 +81,11 @@ def lint(
     ref: Reference,
     quieted: list[str],
     seed: int = 0,
+    reference_model: nn.Module | None = None,
 ) -> list[Finding]:
-    """Every finding for `model` (already quieted) on this data, errors first."""
+    """Every finding for `model` (already quieted) on this data, errors first.
+    reference_model: what the runs in `ref.dtype` use in place of `model` (verify's: a
+    quantised base's dequantised copy)."""
     findings = batch_layers(model)
     if quieted:
         findings.append(
@@ -94,7 +97,7 @@ def lint(
                 severity="note",
             )
         )
-    reference = copy.deepcopy(model).to(ref.dtype)
+    reference = copy.deepcopy(model if reference_model is None else reference_model).to(ref.dtype)
     findings += other_rng(reference, whole, loss_fn, seed)
     explained = any(f.severity == "error" for f in findings)
     findings += loss_scale(reference, micro_batches, whole, loss_fn, seed, explained)

@@ -1,5 +1,6 @@
 """The output of `gradaccum verify`: the table for people, and the dict --json prints (the
-engine's report, the rows of --world-size, the SFT window's counts, the precision study)."""
+engine's report, the rows of --world-size, the SFT window's counts, the LoRA and its quantised
+base, the precision study)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import asdict
 
 from gradaccum.verification.check import TOLERANCE_SOURCE, WRONG_WAYS, check_row, verdict
 from gradaccum.verification.precision_study import StudyPoint, study_table
+from gradaccum.verification.qlora import B_STD, Adapters
 from gradaccum.verification.sft import SFTWindow
 
 W = 66  # width of the label column of the tables
@@ -28,15 +30,22 @@ def report_json(
     task: str,
     window: SFTWindow | None,
     study: dict | None,
+    adapters: Adapters | None = None,
 ) -> dict:
     """What --json prints: the engine's report, the verdict over it and the ranks, the rows of
-    --world-size (`world_row`), the SFT window's counts and the precision study. The top-level
-    `max_rel_err`, `tolerance` and `max_rel_err_check` are those of the worst of the checks
-    deciding `passed` (`check.verdict`): the window's gradient, a mixture of experts' balance,
-    each wrapper of --world-size."""
+    --world-size (`world_row`), the SFT window's counts, the precision study, and with
+    --lora-rank or --base-bits "lora" (the adapters) and "quantization" (how the base is
+    stored and how far that moved its weights: information, not in the verdict; null for a
+    full base). The top-level `max_rel_err`, `tolerance` and `max_rel_err_check` are those of
+    the worst of the checks deciding `passed` (`check.verdict`): the window's gradient, a
+    mixture of experts' balance, each wrapper of --world-size."""
     out = {**report.to_dict(), **verdict(all_checks(report, world)), "world": world, "task": task}
     if window is not None:
         out["sft_window"] = window_dict(window)
+    if adapters is not None:
+        out["lora"] = adapters.to_dict()
+        q = adapters.quantization
+        out["quantization"] = None if q is None else q.to_dict()
     if study is not None:
         out.update(study)
     return out
@@ -87,8 +96,10 @@ def render(
     world: list[dict],
     study: dict | None,
     window: SFTWindow | None = None,
+    adapters: Adapters | None = None,
 ) -> str:
-    """The whole human-readable output; `window`: the SFT window of --task sft."""
+    """The whole human-readable output; `window`: the SFT window of --task sft; `adapters`:
+    the LoRA of --lora-rank or --base-bits and its quantised base."""
     # the cross-entropy's own verdict; a mixture of experts' balance has its own row
     verdict = "PASS" if report.max_rel_err <= report.tolerance else "FAIL"
     first_row = "accumulated (gradaccum)" + (", cross-entropy" if report.moe else "")
@@ -98,9 +109,13 @@ def render(
     )
     if window is not None:
         what = window.describe()
+    reference = f"one big batch in {report.reference}"
+    if adapters is not None and adapters.quantization is not None:
+        reference += " on the dequantised base, the same adapters"
     lines = [
         f"gradaccum verify: {description}",
-        f"window: {what}, {report.precision}; reference: one big batch in {report.reference}",
+        *_render_adapters(adapters),
+        f"window: {what}, {report.precision}; reference: {reference}",
         "",
         f"  {'':<{W}}{'max rel err':>12}",
         f"  {first_row:<{W}}{report.max_rel_err:>12.2e}   {verdict}",
@@ -111,6 +126,7 @@ def render(
         *_render_ways(report),
         "",
         *_render_moe(report.moe),
+        *_render_quantization(adapters),
         *_render_lint(report),
         *_render_world(world),
         *(_render_study(study) if study is not None else []),
@@ -127,6 +143,40 @@ def _render_ways(report) -> list[str]:
     worst = sorted(report.params, key=lambda p: -p.rel_err)[:3]
     lines.append("  worst parameters: " + ", ".join(f"{p.name} {p.rel_err:.1e}" for p in worst))
     return lines
+
+
+def _render_adapters(adapters: Adapters | None) -> list[str]:
+    """The LoRA's line, and the base's where it is quantised."""
+    if adapters is None:
+        return []
+    lines = [
+        f"adapters: {adapters.lora.describe()}; B drawn from --seed (normal, std {B_STD:g}), "
+        "not zero, so that A has a gradient"
+    ]
+    q = adapters.quantization
+    if q is not None:
+        lines.append(
+            f"base: {q.spec.describe()}: {len(q.rel_errs)} block linear layers as bitsandbytes "
+            f"{q.layer_type}, {q.stored_bytes / 1e6:,.2f} MB held"
+        )
+    return lines
+
+
+def _render_quantization(adapters: Adapters | None) -> list[str]:
+    """How far the dequantised base is from the original weights: information, apart from
+    the verdict."""
+    q = None if adapters is None else adapters.quantization
+    if q is None:
+        return []
+    label = "quantisation (information, not part of the verdict)"
+    return [
+        f"  {label:<{W}}{'rel err':>12}",
+        f"  {'dequantised weights against the original, worst layer':<{W}}{q.max_rel_err:>12.2e}",
+        f"  worst layer {q.worst_layer}; mean over the {len(q.rel_errs)} layers "
+        f"{q.mean_rel_err:.2e}; ||W_deq - W|| / ||W|| per layer",
+        f"  the original weights: {q.original}",
+        "",
+    ]
 
 
 def _render_moe(moe) -> list[str]:

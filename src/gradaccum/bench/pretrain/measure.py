@@ -31,6 +31,7 @@ from gradaccum.bench.pretrain.data import (
 from gradaccum.bench.pretrain.loops import CONTESTANTS, Contestant, Run, Setup
 from gradaccum.models.build import build_model
 from gradaccum.models.optimizer import adamw
+from gradaccum.models.quantized import stored_bytes
 from gradaccum.parallel import devices
 from gradaccum.plan.sizes import fmt_count, fmt_seconds
 from gradaccum.utils.errors import first_line
@@ -48,14 +49,15 @@ class Prepared:
 
     run: Run
     optimizer: torch.optim.Optimizer
-    params: list[torch.Tensor]
+    model: torch.nn.Module
     steps: int = 0
     """Optimizer steps taken so far (counted by a hook on the optimizer)."""
 
     def resident_bytes(self) -> int:
-        """Bytes of its weights and optimizer state (activations and gradients show in the
-        peak during a run)."""
-        total = sum(p.numel() * p.element_size() for p in self.params)
+        """Bytes of its model (every parameter and buffer, frozen ones too; a quantised
+        weight at its stored size with its constants) and optimizer state (activations and
+        gradients show in the peak during a run)."""
+        total = stored_bytes(self.model)
         for state in self.optimizer.state.values():
             total += sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t))
         return total
@@ -191,7 +193,7 @@ def prepare(contestant: Contestant, model0, setup: Setup, sgd: bool) -> tuple:
         optimizer = adamw(params, lr=TIMING_LR)
     with quiet():
         run = contestant.make(model, optimizer, setup)
-    prepared = Prepared(run, optimizer, params)
+    prepared = Prepared(run, optimizer, model)
 
     def count(opt, args, kwargs):
         prepared.steps += 1

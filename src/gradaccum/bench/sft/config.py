@@ -8,8 +8,14 @@ from dataclasses import dataclass, field
 from gradaccum.bench.pretrain.config import check_counts, check_int
 from gradaccum.bench.settings import BENCH_DEFAULTS
 from gradaccum.bench.sft.loops import PEERS
+from gradaccum.models.lora import LoraSpec
+from gradaccum.models.quantized_spec import DEFAULT_QUANT, QuantSpec, check_base_flags
 from gradaccum.utils.choices import PACKINGS
 from gradaccum.utils.errors import BadInput
+
+QLORA_RANK = 8
+"""--lora-rank when --base-bits is given without it (a quantised base trains adapters only):
+peft's LoraConfig default."""
 
 
 @dataclass
@@ -38,6 +44,14 @@ class SFTBenchConfig:
     peers: tuple[str, ...] = field(default=PEERS)
     packings: tuple[str, ...] = field(default=PACKINGS)
     """gradaccum's --packing modes to run."""
+    lora_rank: int | None = None
+    """LoRA adapters of this rank on every linear layer but the head, the base frozen, for
+    every contestant; None: the whole model trains (QLORA_RANK with base_bits)."""
+    base_bits: int | None = None
+    """The frozen base stored in 4 (NF4, QLoRA) or 8 bits (LLM.int8) through bitsandbytes,
+    computed in fp32 like every contestant; None: fp32 weights."""
+    base_quant: str | None = None
+    """With base_bits 4: nf4 (None) or fp4."""
 
     def __post_init__(self):
         check_counts(self)
@@ -53,10 +67,30 @@ class SFTBenchConfig:
         _check_names("--packing", self.packings, PACKINGS)
         if not isinstance(self.device, str) or not self.device.strip():
             raise BadInput("--device", repr(self.device), "expected a device name")
+        self._check_adapters()
+
+    def _check_adapters(self) -> None:
+        self.lora_rank = check_base_flags(
+            self.base_bits, self.base_quant, self.lora_rank, QLORA_RANK
+        )
+        if self.lora_rank is not None:
+            LoraSpec(rank=self.lora_rank)  # a whole number >= 1
+
+    @property
+    def quant_spec(self) -> QuantSpec | None:
+        """How the base is stored (None: not quantised); fp32 compute, as every contestant."""
+        if self.base_bits is None:
+            return None
+        return QuantSpec(self.base_bits, self.base_quant or DEFAULT_QUANT, compute_dtype="fp32")
 
     @property
     def model_name(self) -> str:
-        return "tiny Llama" if self.model_config is None else f"hf:{self.model_config}"
+        name = "tiny Llama" if self.model_config is None else f"hf:{self.model_config}"
+        if self.base_bits is not None:
+            return f"{name}, LoRA rank {self.lora_rank}, base in {self.quant_spec.describe()}"
+        if self.lora_rank is not None:
+            return f"{name}, LoRA rank {self.lora_rank}, base in fp32"
+        return name
 
     @property
     def examples_per_step(self) -> int:

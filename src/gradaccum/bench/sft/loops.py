@@ -15,6 +15,9 @@ step where it cuts by examples, and calls `tick()` after each optimizer step:
 - the shortest hand loop: pad each micro-batch, its mean loss / k;
 - gradaccum's `Accumulator` on `gradaccum.data.sft.packing.micro_batches` in each --packing mode.
 The windows hold whole examples; the examples of a step are the same for all of them.
+With --lora-rank / --base-bits the model handed to each is a copy of one model with peft's
+LoRA layers on a frozen (4- or 8-bit) base (`adapters`): the optimizer holds the adapters,
+and TRL and the Trainer train what requires grad, as they do a model from `get_peft_model`.
 """
 
 from __future__ import annotations

@@ -20,10 +20,11 @@ from gradaccum.bench.pretrain.measure import (
     run_rounds,
     timed_run,
 )
+from gradaccum.bench.sft import adapters
 from gradaccum.bench.sft import data as sft_data
 from gradaccum.bench.sft.config import SFTBenchConfig
 from gradaccum.bench.sft.loops import SFT_CONTESTANTS, SFTSetup
-from gradaccum.models.hf_config import from_config
+from gradaccum.models.hf_config import from_config, parameter_count
 from gradaccum.utils.errors import BadInput
 
 BASELINE = "trl"
@@ -52,7 +53,8 @@ def tiny_llama(seq_len: int):
 
 def build_hf(cfg: SFTBenchConfig, device: torch.device):
     """The model every contestant starts from: seeded, dropout off, no KV cache (training:
-    transformers builds the packed-sequence mask only without one), on the device."""
+    transformers builds the packed-sequence mask only without one), with --base-bits and
+    --lora-rank its base quantised and its adapters on (`adapters.adapt`), on the device."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         if cfg.model_config is None:
@@ -61,8 +63,10 @@ def build_hf(cfg: SFTBenchConfig, device: torch.device):
             model, _ = from_config(
                 "--model-config", cfg.model_config, "", sft_data.VOCAB, cfg.seq_len
             )
-    model.config.use_cache = False
-    return no_dropout(model).to(device)
+        model.config.use_cache = False
+        no_dropout(model)
+        adapters.adapt(model, cfg, device)
+    return model.to(device)
 
 
 def count_positions(model: torch.nn.Module) -> tuple[list[int], object]:
@@ -114,7 +118,7 @@ def run_sft_bench(cfg: SFTBenchConfig, progress=None) -> tuple[list[Entry], dict
     windows = sft_data.make_windows(examples, n_windows, cfg.examples_per_step, cfg.seed)
     say(_plan_line(cfg, model0, stats, entries))
     start = time.perf_counter()
-    grad = sft_data.big_batch_gradient(model0, windows[0])
+    grad = sft_data.big_batch_gradient(adapters.reference_base(model0), windows[0])
     say(f"float64 big-batch gradient (the reference): {time.perf_counter() - start:.1f} s")
     workdir = tempfile.mkdtemp(prefix="gradaccum-bench-sft-")
     try:
@@ -159,7 +163,10 @@ def _config(cfg: SFTBenchConfig, model, device, stats: dict, baseline: str) -> d
     return {
         "task": "sft",
         "model": cfg.model_name,
-        "parameters": sum(p.numel() for p in model.parameters()),
+        "parameters": parameter_count(model),
+        "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "lora_rank": cfg.lora_rank,
+        "base_quant": None if cfg.quant_spec is None else cfg.quant_spec.record(),
         "attention": getattr(model.config, "_attn_implementation", None),
         "micro_batch": cfg.micro_batch,
         "accum_steps": cfg.accum_steps,
@@ -174,15 +181,18 @@ def _config(cfg: SFTBenchConfig, model, device, stats: dict, baseline: str) -> d
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "trl": trl_version,
+        **adapters.versions(),
     }
 
 
 def _plan_line(cfg: SFTBenchConfig, model, stats: dict, entries: list[Entry]) -> str:
     t = stats["tokens"]
     live = [e.contestant.name for e in entries if e.skipped is None]
-    params = sum(p.numel() for p in model.parameters())
+    params = parameter_count(model)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    what = f"{params:,} parameters" + ("" if trained == params else f", {trained:,} train")
     return (
-        f"bench --task sft: {cfg.model_name} ({params:,} parameters); {stats['examples']:,} "
+        f"bench --task sft: {cfg.model_name} ({what}); {stats['examples']:,} "
         f"examples of median {t['median']}, p90 {t['p90']}, p99 {t['p99']}, max {t['max']} "
         f"tokens; {cfg.examples_per_step} examples per step (micro-batch {cfg.micro_batch} x "
         f"k {cfg.accum_steps}; gradaccum window / padding-free: {cfg.micro_batch_tokens:,} "

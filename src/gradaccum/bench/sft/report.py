@@ -24,12 +24,16 @@ def to_json(entries: list[Entry], config: dict) -> dict:
 def render_table(entries: list[Entry], config: dict) -> str:
     c = config
     t, g = c["lengths"]["tokens"], c["lengths"]["targets"]
+    trained = "" if c["trainable"] == c["parameters"] else f", {c['trainable']:,} train"
+    adapters = "" if c["lora_rank"] is None else f", peft {c['peft']}"
+    adapters += "" if c["base_quant"] is None else f", bitsandbytes {c['bitsandbytes']}"
     lines = [
-        f"gradaccum bench --task sft: {c['model']} ({c['parameters']:,} parameters, "
+        f"gradaccum bench --task sft: {c['model']} ({c['parameters']:,} parameters{trained}, "
         f"{c['attention']} attention), {c['examples_per_step']} examples per step (micro-batch "
         f"{c['micro_batch']} x k {c['accum_steps']}; gradaccum window / padding-free "
         f"{c['micro_batch_tokens']:,} positions per micro-batch), {c['rounds']} round(s), "
-        f"{c['device']}, torch {c['torch']}, transformers {c['transformers']}, trl {c['trl']}",
+        f"{c['device']}, torch {c['torch']}, transformers {c['transformers']}, trl {c['trl']}"
+        + adapters,
         f"examples ({c['lengths']['examples']:,}): tokens median {t['median']}, p90 {t['p90']}, "
         f"p99 {t['p99']}, max {t['max']}; targets median {g['median']}, p90 {g['p90']}, "
         f"p99 {g['p99']}, max {g['max']}",
@@ -55,4 +59,9 @@ def render_table(entries: list[Entry], config: dict) -> str:
         "resident memory over a run plus weights and optimizer state; update err: |update - "
         "exact big-batch gradient| / |gradient| after one SGD step at lr 1.",
     ]
+    if c["base_quant"] is not None:
+        lines.append(
+            "The exact big batch of a quantised base: float64 on the dequantised weights (what "
+            "the quantised layers compute with); the adapters' update only."
+        )
     return "\n".join(lines) + "\n"
