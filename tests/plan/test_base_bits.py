@@ -1,5 +1,8 @@
 """`gradaccum plan --base-bits`: a frozen base stored in 4, 8 or 16 bits, against byte counts
-derived by hand from the published Llama 2 7B parameter count and shape."""
+derived by hand from the published Llama 2 7B parameter count and shape. Over a 4- or 8-bit
+base everything not quantised is fp32, as the trainer holds it: peft's k-bit preparation casts
+the embeddings, head and norms to fp32, and the adapters are created in fp32, so they keep an
+fp32 .grad (no buffer) and step without a master copy."""
 
 import json
 from fractions import Fraction
@@ -40,28 +43,39 @@ def test_hand_counts_match_the_published_model():
 def test_qlora_7b_on_a_24gb_card(capsys):
     d = _plan_json(capsys, ACCEPTANCE)
     nf4 = -(-LINEAR7 * NF4_PER_PARAM.numerator // NF4_PER_PARAM.denominator)
-    weights = nf4 + 2 * (P7 - LINEAR7) + 2 * ADAPTERS16  # the rest of the base and adapters bf16
+    weights = nf4 + 4 * (P7 - LINEAR7) + 4 * ADAPTERS16  # the rest of the base and adapters fp32
     assert d["accum_steps"] == 128 and d["global_batch_sequences"] == 128
     assert d["memory"]["fits"] is True
     assert d["base_bits"] == 4
-    assert d["memory"]["params_gb"] == pytest.approx(weights / 1e9, rel=1e-12)
-    assert d["memory"]["frozen_base_gb"] == pytest.approx(nf4 / 1e9, rel=1e-12)
-    assert d["memory"]["frozen_base_16bit_gb"] == pytest.approx(2 * LINEAR7 / 1e9, rel=1e-12)
+    m = d["memory"]
+    assert m["params_gb"] == pytest.approx(weights / 1e9, rel=1e-12)
+    assert m["frozen_base_gb"] == pytest.approx(nf4 / 1e9, rel=1e-12)
+    assert m["frozen_base_16bit_gb"] == pytest.approx(2 * LINEAR7 / 1e9, rel=1e-12)
+    # fp32 adapters: .grad, plus a fresh gradient in flight of the largest trainable tensor,
+    # taken as no larger than the embedding (V x H) nor than all the adapters; no buffer; AdamW's
+    # two moments and no master copy.
+    in_flight = 4 * min(V * H, ADAPTERS16)
+    assert m["grads_gb"] == pytest.approx((4 * ADAPTERS16 + in_flight) / 1e9, rel=1e-12)
+    assert m["accum_buffer_gb"] == 0
+    assert m["optimizer_gb"] == pytest.approx(8 * ADAPTERS16 / 1e9, rel=1e-12)
     bf16 = _plan_json(capsys, ACCEPTANCE.replace(" --base-bits 4", ""))
-    assert bf16["memory"]["params_gb"] == pytest.approx(2 * (P7 + ADAPTERS16) / 1e9, rel=1e-12)
-    ratio = d["memory"]["params_gb"] / bf16["memory"]["params_gb"]
-    assert 0.25 < ratio < 0.30  # a quarter, plus the constants and the 16-bit embeddings
-    # Everything but the parameters is the same plan: the adapters train as before.
-    for key in ("grads_gb", "accum_buffer_gb", "optimizer_gb", "activations_gb"):
-        assert d["memory"][key] == bf16["memory"][key]
-    total = bf16["memory"]["total_gb"] - bf16["memory"]["params_gb"] + weights / 1e9
-    assert d["memory"]["total_gb"] == pytest.approx(total, rel=1e-12)
+    b = bf16["memory"]
+    assert b["params_gb"] == pytest.approx(2 * (P7 + ADAPTERS16) / 1e9, rel=1e-12)
+    # Without --base-bits the adapters are read in bf16: a buffer and master weights.
+    assert b["grads_gb"] == pytest.approx(2 * min(V * H, ADAPTERS16) / 1e9, rel=1e-12)
+    assert b["accum_buffer_gb"] == pytest.approx(4 * ADAPTERS16 / 1e9, rel=1e-12)
+    assert b["optimizer_gb"] == pytest.approx(12 * ADAPTERS16 / 1e9, rel=1e-12)
+    assert m["activations_gb"] == b["activations_gb"]  # activations follow --precision
+    state = weights + 4 * ADAPTERS16 + in_flight + 8 * ADAPTERS16
+    assert m["total_gb"] == pytest.approx(state / 1e9 + b["activations_gb"], rel=1e-12)
 
 
 def test_qlora_table_says_what_training_it_needs(capsys):
     assert main(ACCEPTANCE.split()) == 0
     out = capsys.readouterr().out
-    assert "4-bit frozen base" in out and "3.34 GB" in out and "3.95 GB" in out
+    assert "4-bit frozen base" in out and "3.34 GB" in out and "4.55 GB" in out
+    assert "6.93 GB" in out and "│ .grad " in out
+    assert "norms and biases in fp32, as peft's k-bit preparation casts them" in out
     assert "gradaccum train --lora-rank R --base-bits 4 trains on it" in out
     assert "accumulation steps k" in out and "│       128 │" in out
 
@@ -69,8 +83,9 @@ def test_qlora_table_says_what_training_it_needs(capsys):
 def test_int8_and_16_bit_bases_by_hand(capsys):
     rows = L * (H + H + H + H + F + F + H)  # output rows: q, k, v, o, gate, up, down
     int8 = _plan_json(capsys, ACCEPTANCE.replace("--base-bits 4", "--base-bits 8"))
-    weights = LINEAR7 + 4 * rows + 2 * (P7 - LINEAR7) + 2 * ADAPTERS16
+    weights = LINEAR7 + 4 * rows + 4 * (P7 - LINEAR7) + 4 * ADAPTERS16
     assert int8["memory"]["params_gb"] == pytest.approx(weights / 1e9, rel=1e-12)
+    assert int8["memory"]["optimizer_gb"] == pytest.approx(8 * ADAPTERS16 / 1e9, rel=1e-12)
     b16 = _plan_json(capsys, ACCEPTANCE.replace("--base-bits 4", "--base-bits 16"))
     default = _plan_json(capsys, ACCEPTANCE.replace(" --base-bits 4", ""))
     assert b16["memory"]["total_gb"] == default["memory"]["total_gb"]  # bf16: 16 is the default
@@ -87,15 +102,17 @@ def test_trainable_params_taken_from_the_quantised_weights(capsys):
     d = _plan_json(capsys, command)
     quantised = LINEAR7 - t  # the larger reading: what trains is not quantised
     nf4 = -(-quantised * 2113 // 4096)
-    weights = nf4 + 2 * (P7 - quantised)
+    weights = nf4 + 4 * (P7 - quantised)  # what trains is fp32 like the rest
     assert d["memory"]["params_gb"] == pytest.approx(weights / 1e9, rel=1e-12)
-    assert d["memory"]["optimizer_gb"] == pytest.approx(12 * t / 1e9)
+    assert d["memory"]["grads_gb"] == pytest.approx((4 * t + 4 * min(V * H, t)) / 1e9)
+    assert d["memory"]["accum_buffer_gb"] == 0
+    assert d["memory"]["optimizer_gb"] == pytest.approx(8 * t / 1e9)
 
 
 def test_zero3_shards_the_quantised_base_at_its_average_bytes(capsys):
     d = _plan_json(capsys, ACCEPTANCE + " --gpus 4 --zero 3")
     held = P7 + ADAPTERS16
-    stored = -(-LINEAR7 * 2113 // 4096) + 2 * (held - LINEAR7)
+    stored = -(-LINEAR7 * 2113 // 4096) + 4 * (held - LINEAR7)
     unit = 4 * H * H + 3 * H * F + 2 * H  # a block (larger than the embedding) gathered whole
     assert unit > V * H
     rest = -(-(held - unit) // 4)
@@ -134,8 +151,10 @@ def test_4_bits_need_a_shape(capsys):
     vocab=st.integers(256, 200_000),
     rank=st.integers(1, 64),
 )
-def test_fewer_bits_never_more_memory(layers, heads, head_dim, vocab, rank):
-    """4 bits < 8 bits < 16 bits for the parameters; nothing else in the plan changes."""
+def test_4_8_and_16_bits_by_hand(layers, heads, head_dim, vocab, rank):
+    """4 bits < 8 bits for the parameters; 16 bits holds everything in bf16, 4 and 8 the rest
+    in fp32 (so a model that is mostly embedding can need more at 4 bits than at 16). The
+    adapters' state is fp32 over 4 and 8 bits; activations are the same at every width."""
     hidden = heads * head_dim
     shape = ModelShape("custom", layers, hidden, heads, vocab)  # --layers ...: a 4h MLP
     plans = {
@@ -147,12 +166,20 @@ def test_fewer_bits_never_more_memory(layers, heads, head_dim, vocab, rank):
         )
         for bits in (4, 8, 16)
     }  # fmt: skip
-    p4, p8, p16 = (plans[b].memory.params_gb for b in (4, 8, 16))
-    assert p4 < p8 < p16
+    p4, p8, p16 = (plans[b].memory.params_gb * 1e9 for b in (4, 8, 16))
+    assert p4 < p8
     linear = layers * sum(i * o for i, o in _linears(shape))
-    assert (p16 - p4) * 1e9 == pytest.approx(2 * linear - linear * 2113 / 4096, abs=1)
-    for key in ("grads_gb", "accum_buffer_gb", "optimizer_gb", "activations_gb"):
-        assert getattr(plans[4].memory, key) == getattr(plans[16].memory, key)
+    adapters = layers * rank * sum(i + o for i, o in _linears(shape))
+    held = p16 / 2  # 16 bits: base and adapters, 2 bytes each
+    assert p4 == pytest.approx(-(-linear * 2113 // 4096) + 4 * (held - linear), abs=1)
+    largest = max(vocab * hidden, 4 * hidden * hidden)  # the embedding or an MLP matrix
+    for bits in (4, 8):
+        m = plans[bits].memory
+        assert m.grads_gb * 1e9 == pytest.approx(4 * adapters + 4 * min(largest, adapters))
+        assert m.accum_buffer_gb == 0
+        assert m.optimizer_gb * 1e9 == pytest.approx(8 * adapters)
+        assert m.activations_gb == plans[16].memory.activations_gb
+    assert plans[16].memory.optimizer_gb * 1e9 == pytest.approx(12 * adapters)
 
 
 def _linears(shape):

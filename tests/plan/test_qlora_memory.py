@@ -140,3 +140,38 @@ def test_the_run_plans_its_own_model_s_linear_layers(llama_folder, which):
     rows = {quantity: how for quantity, _, _, how in memory_rows(plan)}
     assert "memory: 4-bit frozen base" in rows
     assert rows["memory: 4-bit frozen base"].startswith("0.258 x the")
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_bf16_run_holds_the_rest_and_the_adapters_in_fp32(tmp_path, bits):
+    """A bf16 folder trained under --precision bf16, as `gradaccum train` builds it: peft's k-bit
+    preparation casts the embeddings, head and norms to fp32 and the adapters are created in
+    fp32, so the plan counts 4 bytes for each (2 would fall 25-33% short here), the
+    adapters' gradient as an fp32 .grad with no buffer, and AdamW's moments without a master
+    copy. Its parameter memory is the loaded model's bytes within 1%."""
+    config = transformers.LlamaConfig(
+        hidden_size=H, intermediate_size=F, num_hidden_layers=L, num_attention_heads=A,
+        num_key_value_heads=KV, vocab_size=V, max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path)
+    spec = QuantSpec(bits, compute_dtype="bf16")
+    model, info = build_model(init_from=str(tmp_path), quant=spec, device="cpu")
+    run = TrainConfig(
+        lora_rank=RANK, base_bits=bits, precision="bf16", seq_len=GS, micro_batch=1,
+        accum_steps=2, max_steps=3,
+    )  # fmt: skip
+    model, info = adapters.attach(model, info, run)
+    floats = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    assert floats == {torch.float32}  # nothing left in bf16
+    rank = RankInfo(0, 1, 0, torch.device("cpu"), None, False)
+    memory = resolve_run(run, run, info, rank).plan.memory
+    rest = LLAMA_PARAMS + LLAMA_ADAPTERS - LLAMA_LINEAR
+    packed = -(-LLAMA_LINEAR * 2113 // 4096) if bits == 4 else LLAMA_LINEAR + 4 * LLAMA_ROWS
+    assert round(memory.params_gb * 1e9) == packed + 4 * rest
+    held = stored_bytes(model)
+    assert abs(memory.params_gb * 1e9 - held) <= 0.01 * held
+    assert held - (packed + 2 * rest) > 0.2 * held  # the rest in bf16 would miss this much
+    assert memory.accum_buffer_gb == 0
+    assert round(memory.optimizer_gb * 1e9) == 8 * LLAMA_ADAPTERS

@@ -1,7 +1,7 @@
 """LoRA under torchrun: 2 gloo ranks (micro-batch 2, k 2) read the sequences one process
 with micro-batch 2 and k 4 reads, so the losses and the first window's gradient norm agree to
 fp32 rounding and the adapters within AdamW's drift bound; the base stays frozen under DDP
-(its checkpoint holds the adapters only)."""
+(its checkpoint holds the adapters only), a base in 4 bits (QLoRA) as well."""
 
 from __future__ import annotations
 
@@ -24,16 +24,19 @@ COMMON = ["--seq-len", "16", "--micro-batch", "2", "--max-steps", "3", "--eval-e
 COMMON += ["--device", "cpu", "--lora-rank", "4", "--json"]
 
 
-def test_two_gloo_ranks_train_the_adapters_as_one_process(tmp_path):
+@pytest.mark.parametrize("base", [[], ["--base-bits", "4"]], ids=["fp32-base", "4-bit-base"])
+def test_two_gloo_ranks_train_the_adapters_as_one_process(tmp_path, base):
+    if base:
+        pytest.importorskip("bitsandbytes")
     data = str(markov_npy(tmp_path / "markov.npy", 20_000, seed=4))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     two, one = tmp_path / "two", tmp_path / "one"
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     launch += ["--nproc-per-node", "2", "-m", "gradaccum"]
     runs = [
-        [*launch, "train", "--data", data, "--accum-steps", "2", "--out", str(two), *COMMON],
+        [*launch, "train", "--data", data, "--accum-steps", "2", "--out", str(two), *COMMON, *base],
         [sys.executable, "-m", "gradaccum", "train", "--data", data, "--accum-steps", "4"]
-        + ["--out", str(one), *COMMON],
+        + ["--out", str(one), *COMMON, *base],
     ]
     for argv in runs:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)

@@ -163,6 +163,21 @@ def test_first_step_is_the_same_at_micro_batch_1_and_8(tmp_path, make_hf_folder,
     assert one["grad_norm"] == pytest.approx(eight["grad_norm"], rel=1e-5)
 
 
+def test_activation_checkpointing_gives_the_same_first_step(tmp_path, make_hf_folder):
+    """Recomputing the 4-bit blocks in backward (after the k-bit preparation) changes the
+    time, not the step."""
+    folder = make_hf_folder("llama")
+    plain = _first_step(tmp_path, "llama", folder, 4, 4)
+    config = _config(
+        tmp_path, "llama", folder, 4, name="ckpt", max_steps=1, micro_batch=4,
+        examples_per_step=8, packing="none", activation_checkpointing=True,
+    )  # fmt: skip
+    train(config)
+    recomputed = train_records(config.out)[0]
+    assert recomputed["loss"] == pytest.approx(plain["loss"], rel=1e-6)
+    assert recomputed["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-5)
+
+
 def test_resume_is_bit_for_bit(tmp_path, make_hf_folder):
     folder = make_hf_folder("llama")
     straight = _config(tmp_path, "llama", folder, 4, name="straight", max_steps=4, save_every=2)

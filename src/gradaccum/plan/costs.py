@@ -16,7 +16,7 @@ from gradaccum.plan import memory as mem
 from gradaccum.plan.batch import accum_steps_for
 from gradaccum.plan.batch_schedule import lr_multiplier
 from gradaccum.plan.inputs import PlanInputs
-from gradaccum.plan.quantized import QuantizedBase
+from gradaccum.plan.quantized import QuantizedBase, held_in_fp32
 from gradaccum.plan.result import MemoryReport
 from gradaccum.plan.schedule_plan import SchedulePlan, plan_schedule
 from gradaccum.plan.sizes import fmt_bytes, fmt_int
@@ -109,24 +109,27 @@ def trainable_note(i: PlanInputs, trainable: int) -> str:
     what = f"{fmt_int(trainable)} trainable parameters"
     if i.lora_rank is not None:
         what += f" (LoRA rank {i.lora_rank} on every linear layer of every block, added)"
+    state = "gradients, the fp32 buffer and optimizer state"
+    if held_in_fp32(i.base_bits):  # the trainer's adapters are fp32 over a k-bit base
+        state = "fp32 weights, fp32 gradients (no buffer) and optimizer state (no master copy)"
     held = "in the parameter dtype" if i.base_bits is None else f"as --base-bits {i.base_bits} says"
     return (
-        f"gradients, the fp32 buffer and optimizer state for {what}; the frozen weights are "
-        f"held {held}, and activations cover the whole model"
+        f"{state} for {what}; the frozen weights are held {held}, and activations cover the "
+        "whole model"
     )
 
 
-def base_bits_note(q: QuantizedBase, precision: str) -> str:
+def base_bits_note(q: QuantizedBase) -> str:
     """What --base-bits stores, its bytes per parameter, and what training it needs."""
     if q.bits == 16:
         return f"the frozen base's {fmt_int(q.params)} parameters stored in 16 bits (2 bytes each)"
     per = q.bytes / q.params if q.params else 0.0
-    kept = "bf16/fp16" if precision != "fp32" else "fp32"
     return (
         f"frozen base in {q.bits} bits ({q.scheme}, {per:.4g} bytes a parameter): the "
         f"{fmt_int(q.params)} weights of the blocks' linear layers; embeddings, output head, "
-        f"norms and biases stay {kept}. gradaccum train --lora-rank R --base-bits {q.bits} "
-        "trains on it (bitsandbytes: pip install 'gradaccum[qlora]')"
+        "norms and biases in fp32, as peft's k-bit preparation casts them. gradaccum train "
+        f"--lora-rank R --base-bits {q.bits} trains on it (bitsandbytes: pip install "
+        "'gradaccum[qlora]')"
     )
 
 
@@ -134,7 +137,7 @@ def memory_notes(i, shape, params, trainable, setup, world, micro_batch, warning
     if trainable is not None:
         notes.append(trainable_note(i, trainable))
     if setup.quantized_base is not None:
-        notes.append(base_bits_note(setup.quantized_base, setup.precision))
+        notes.append(base_bits_note(setup.quantized_base))
     if params is not None and shape is None:
         notes.append("gradients and activations need a model shape (--model, or --layers ...)")
     elif params is not None and (micro_batch is None or i.seq_len is None):

@@ -27,8 +27,12 @@ term). Every activation term is proportional to b, so memory is affine in the mi
 
 Frozen weights (`trainable_params`, LoRA): gradients, the fp32 buffer, master weights and
 optimizer state count the trainable part only; parameters and activations the whole model.
-A frozen base stored in 4, 8 or 16 bits (`quantized_base`, --base-bits; `quantized`) changes
-the parameters term only.
+A frozen base stored in 4, 8 or 16 bits (`quantized_base`, --base-bits; `quantized`): its
+packed weights and constants in the parameters term. Over a 4- or 8-bit base every other
+parameter is fp32 whatever the precision (`quantized.held_in_fp32`: peft's k-bit preparation
+casts the embeddings, head, norms and biases, and the adapters are created in fp32), so the
+trainable part is counted as fp32 parameters are: 4 bytes each, an fp32 .grad, no buffer and
+no master copy. Activations keep --precision.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gradaccum.plan.presets import ModelShape
-from gradaccum.plan.quantized import QuantizedBase, block_linears
+from gradaccum.plan.quantized import QuantizedBase, block_linears, held_in_fp32
 from gradaccum.utils.choices import PRECISIONS
 
 DEFAULT_PRECISION = "bf16"
@@ -107,8 +111,22 @@ class MemorySetup:
 
     @property
     def bytes_per_param(self) -> int:
-        """Bytes per stored parameter and per 16-bit-or-fp32 activation element."""
+        """Bytes per parameter in the parameter dtype and per activation element."""
         return 2 if self.mixed else 4
+
+    @property
+    def held_bytes_per_param(self) -> int:
+        """Bytes per parameter not stored quantised (the trainable part, and the rest of a
+        quantised base): 4 over a 4- or 8-bit base, as the trainer casts them
+        (`quantized.held_in_fp32`); otherwise the parameter dtype's."""
+        q = self.quantized_base
+        return 4 if q is not None and held_in_fp32(q.bits) else self.bytes_per_param
+
+    @property
+    def trained_in_16_bits(self) -> bool:
+        """Whether the trainable parameters are bf16/fp16: only then do they need the fp32
+        accumulation buffer and fp32 master weights."""
+        return self.held_bytes_per_param == 2
 
 
 @dataclass(frozen=True)
@@ -155,11 +173,12 @@ def _shard(n_bytes: int, setup: MemorySetup, stage: int) -> int:
 
 def stored_param_bytes(params: int, setup: MemorySetup) -> int:
     """Every parameter as stored, unsharded: 4P in fp32, 2P in bf16/fp16; with a quantised
-    frozen base, its bytes (`quantized.quantized_base`) plus the rest in the parameter dtype."""
+    frozen base, its bytes (`quantized.quantized_base`) plus the rest, trainable part
+    included, at `held_bytes_per_param` (fp32 over a 4- or 8-bit base)."""
     q = setup.quantized_base
     if q is None:
         return setup.bytes_per_param * params
-    return q.bytes + setup.bytes_per_param * (params - q.params)
+    return q.bytes + setup.held_bytes_per_param * (params - q.params)
 
 
 def param_bytes(params: int, shape: ModelShape | None, setup: MemorySetup) -> int | None:
@@ -187,16 +206,18 @@ def grad_bytes(params: int, shape: ModelShape | None, setup: MemorySetup) -> int
     before autograd adds it into .grad. bf16/fp16: only one parameter's 16-bit gradient at a
     time, 2 x largest tensor: the hook moves it into the fp32 buffer and frees it. Under DDP
     (world > 1, ZeRO 0-1) add the reducer's gradient buckets: P x bytes per parameter.
-    With `trainable_params`, P is the trainable part.
+    With `trainable_params`, P is the trainable part; over a 4- or 8-bit base it is fp32
+    whatever the precision (`held_bytes_per_param`), so it takes the fp32 reading.
     """
     in_flight = grad_in_flight_bytes(params, shape, setup)
     if in_flight is None:
         return None
     trained = setup.trained(params)
     # DDP (data parallel without gradient sharding) allocates its reducer's buckets, a second
-    # copy of every gradient in the parameter dtype (gradient_as_bucket_view=False, the default).
-    buckets = setup.bytes_per_param * trained if setup.world_size > 1 and setup.zero <= 1 else 0
-    if setup.mixed:
+    # copy of every gradient in its parameter's dtype (gradient_as_bucket_view=False, the default).
+    ddp = setup.world_size > 1 and setup.zero <= 1
+    buckets = setup.held_bytes_per_param * trained if ddp else 0
+    if setup.trained_in_16_bits:
         return in_flight + buckets
     return _shard(4 * trained, setup, 2) + in_flight + buckets
 
@@ -205,20 +226,22 @@ def grad_in_flight_bytes(params: int, shape: ModelShape | None, setup: MemorySet
     """The largest trainable tensor's fresh gradient (no larger than the trainable part)."""
     if shape is None:
         return None
-    return setup.bytes_per_param * min(shape.largest_tensor, setup.trained(params))
+    return setup.held_bytes_per_param * min(shape.largest_tensor, setup.trained(params))
 
 
 def accum_buffer_bytes(params: int, setup: MemorySetup) -> int:
-    """The fp32 accumulation buffer: 4P under bf16/fp16 (sharded by ZeRO-2), none in fp32."""
-    return _shard(4 * setup.trained(params), setup, 2) if setup.mixed else 0
+    """The fp32 accumulation buffer: 4P for bf16/fp16 parameters (sharded by ZeRO-2), none for
+    fp32 ones (fp32 precision, or a 4- or 8-bit base's fp32 trainable part)."""
+    return _shard(4 * setup.trained(params), setup, 2) if setup.trained_in_16_bits else 0
 
 
 def optimizer_bytes(params: int, setup: MemorySetup) -> int:
     """AdamW: two fp32 moments, 8P. SGD with momentum: 4P. Mixed precision adds 4P fp32
-    master weights (Micikevicius et al. 2018). ZeRO-1 and above shard all of it."""
+    master weights (Micikevicius et al. 2018) for bf16/fp16 parameters; fp32 ones (a 4- or
+    8-bit base's trainable part too) need none. ZeRO-1 and above shard all of it."""
     trained = setup.trained(params)
     moments = 8 * trained if setup.optimizer == "adamw" else 4 * trained
-    master = 4 * trained if setup.mixed else 0
+    master = 4 * trained if setup.trained_in_16_bits else 0
     return _shard(moments + master, setup, 1)
 
 

@@ -1,11 +1,15 @@
 """A frozen base stored in fewer bits (`--base-bits`): the bytes of its weights, constants included.
 
 Only a frozen base is quantised (LoRA's base, QLoRA: Dettmers et al. 2023, "QLoRA: Efficient
-Finetuning of Quantized LLMs"): the adapters, or the --trainable-params part, keep the
-parameter dtype, and so do their gradients and optimizer state. As bitsandbytes and
-transformers quantise a model, only the linear layers of the blocks are stored in 4 or 8 bits
-(attention's q, k, v, output and the MLP's matrices); the embeddings, the output head, the
-norms and the biases stay in the parameter dtype.
+Finetuning of Quantized LLMs"). As bitsandbytes and transformers quantise a model, only the
+linear layers of the blocks are stored in 4 or 8 bits (attention's q, k, v, output and the
+MLP's matrices). Everything else is held in fp32 whatever --precision says (`held_in_fp32`):
+the embeddings, the output head, the norms and the biases, because peft's k-bit preparation
+(`prepare_model_for_kbit_training`, which `gradaccum train` applies too) casts every
+unquantised bf16/fp16 parameter to fp32; and the adapters (or the --trainable-params part),
+which peft and `gradaccum.models.lora.apply_lora` create in fp32. Trainable fp32 parameters
+keep their gradient in an fp32 .grad and step without a master copy (`memory`); only the
+activations follow --precision.
 
 Bytes per quantised parameter:
 - 4 bits: NF4 (4-bit NormalFloat) in blocks of 64 weights, each block with an absmax
@@ -20,7 +24,8 @@ Bytes per quantised parameter:
 - 8 bits: LLM.int8 (Dettmers et al. 2022; bitsandbytes `Linear8bitLt`): an int8 weight and
   one fp32 scale per output row: 1 byte a parameter + 4 bytes a row.
 - 16 bits: the frozen base in bf16/fp16, 2 bytes a parameter (what a bf16 or fp16 plan holds
-  anyway; under --precision fp32 it halves the frozen part).
+  anyway; under --precision fp32 it halves the frozen part). No k-bit preparation: the rest
+  and the trainable part keep the parameter dtype.
 `gradaccum train --base-bits` trains on such a base (`gradaccum.models.quantized`, through
 bitsandbytes); this counts its bytes.
 
@@ -36,6 +41,9 @@ from gradaccum.plan.presets import ModelShape
 BASE_BITS = (4, 8, 16)
 """The --base-bits a plan takes."""
 
+KBIT = (4, 8)
+"""The --base-bits that bitsandbytes stores, and that `gradaccum train` trains on."""
+
 NF4_BLOCK = 64
 """Weights per NF4 block (one absmax constant each)."""
 DOUBLE_QUANT_BLOCK = 256
@@ -49,11 +57,18 @@ class QuantizedBase:
     bits: int
     """4, 8 or 16."""
     params: int
-    """Parameters stored at `bits` (the rest of the model keeps the parameter dtype)."""
+    """Parameters stored at `bits` (the rest of the model: `held_in_fp32`)."""
     bytes: int
     """Their bytes: weights and quantisation constants."""
     scheme: str
     """In words: 'NF4, double-quantised constants', 'LLM.int8', '16-bit'."""
+
+
+def held_in_fp32(bits: int | None) -> bool:
+    """Whether a base at `bits` holds every parameter it does not quantise, trainable ones
+    included, in fp32 (module docstring): 4 and 8 bits; 16 and no --base-bits keep the
+    parameter dtype."""
+    return bits in KBIT
 
 
 def block_linears(shape: ModelShape) -> list[tuple[int, int]]:

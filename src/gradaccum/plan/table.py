@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from gradaccum.plan.quantized import held_in_fp32
 from gradaccum.plan.sizes import fmt_bytes, fmt_count, fmt_int, fmt_seconds
 
 _LR_RULE = {"none": "unchanged", "linear": "x c", "sqrt": "x sqrt(c)"}
@@ -100,6 +101,8 @@ def memory_rows(plan) -> list[tuple[str, str, str, str]]:
     setup = f"{plan.precision}, {plan.optimizer}, ZeRO-{plan.zero}"
     setup += ", checkpointing" if plan.checkpointing == "full" else ""
     setup += ", flash attention" if plan.flash_attention else ""
+    # fp32 parameters accumulate in .grad: under fp32, and the fp32 adapters of a k-bit base
+    fp32_grads = plan.precision == "fp32" or held_in_fp32(plan.base_bits)
     base = None
     if m.frozen_base_gb is not None and plan.base_bits != 16:
         ratio = m.frozen_base_gb / m.frozen_base_16bit_gb if m.frozen_base_16bit_gb else 0.0
@@ -111,7 +114,7 @@ def memory_rows(plan) -> list[tuple[str, str, str, str]]:
     items = [
         ("memory: parameters", m.params_gb, setup),
         *([base] if base else []),
-        ("memory: gradients", m.grads_gb, "in flight" if plan.precision != "fp32" else ".grad"),
+        ("memory: gradients", m.grads_gb, ".grad" if fp32_grads else "in flight"),
         ("memory: fp32 accum buffer", m.accum_buffer_gb, ""),
         ("memory: optimizer state", m.optimizer_gb, ""),
         (
