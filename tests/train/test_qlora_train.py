@@ -241,3 +241,22 @@ def test_resume_on_other_quantisation_is_refused_merge_included(tmp_path, capsys
     # Nothing written: no merged model, no new checkpoint, the run folder as it was.
     assert sorted(os.listdir(tmp_path / "run")) == before
     assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == checkpoints
+
+
+def test_merge_into_a_gpt2_folder_transposes_back_to_conv1d(
+    tmp_path, make_hf_folder, spied, capsys
+):
+    """transformers loads GPT-2's Conv1D layers (in x out) as Linear4bit (out x in); the merged
+    export gives them back as Conv1D, with the trained model's logits."""
+    folder = make_hf_folder("gpt2")
+    config = _config(tmp_path, "llama", folder, 4, max_steps=2, merge_lora=True)
+    summary = train(config)
+    assert "merged/" in summary["files"]
+    merged = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.join(config.out, "merged"), local_files_only=True
+    )
+    assert type(merged.transformer.h[0].attn.c_attn).__name__ == "Conv1D"
+    ids = torch.tensor([[5, 17, 42, 9, 33, 7, 21, 60, 11, 3]])
+    assert torch.allclose(_logits(merged, ids), _logits(spied["model"], ids), rtol=0, atol=1e-5)
+    said = capsys.readouterr().out
+    assert "merged/: the adapters folded into the dequantised base, saved in float32" in said

@@ -436,6 +436,10 @@ def export_merged(model: nn.Module, folder: str, tokenizer=None) -> str:
         config.dtype = dtype
     with torch.device("meta"):
         plain = type(model)(config)
+    for name, _ in _quantized_layers(model):  # transformers loads GPT-2's Conv1D as Linear4bit
+        name = name.removesuffix(".base_layer")
+        if type(plain.get_submodule(name)).__name__ == "Conv1D":  # (in, out), not (out, in)
+            merged[f"{name}.weight"] = merged[f"{name}.weight"].t().contiguous()
     plain.load_state_dict(merged, assign=True, strict=True)
     plain.tie_weights()
     if getattr(model, "generation_config", None) is not None:

@@ -141,6 +141,14 @@ def quantize_linears(model: nn.Module, spec: QuantSpec, device="cpu") -> int:
     BadInput (--base-bits) when there is none."""
     bnb = require_bitsandbytes(spec.bits)
     layers = quantizable_layers(model)
+    if not layers and any(type(m).__name__ == "Conv1D" for m in model.modules()):
+        raise BadInput(
+            "--base-bits",
+            spec.bits,
+            f"{type(model).__name__} keeps its linear layers as transformers' Conv1D, which "
+            "transformers quantises when it loads the model: give a folder saved with "
+            "save_pretrained as --init-from",
+        )
     if not layers:
         raise BadInput(
             "--base-bits",
