@@ -150,7 +150,7 @@ def opening_lines(model_info: ModelInfo) -> list[str]:
         lines.append(
             f"base   {_quant_words(quant)}: its {quant['layers']} block linear layers in "
             f"{quant['bits']} bits (bitsandbytes), {quant['stored_bytes'] / 1e6:,.2f} MB held in "
-            "all; embeddings, head, norms and biases as they were"
+            "all; embeddings, head, norms and biases unquantised, in fp32"
         )
     return lines
 
