@@ -12,7 +12,6 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from gradaccum.bench.sft import data as sft_data
 from gradaccum.bench.sft.config import SFTBenchConfig
@@ -21,6 +20,9 @@ from gradaccum.cli import bench as bench_cli
 from gradaccum.cli.common import ArgumentParser
 from gradaccum.settings.command import add_command
 from gradaccum.utils.errors import BadInput
+
+from .test_bench_sft import rel
+from .test_bench_sft import window_grads as fp64_grads
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -69,30 +71,6 @@ def dequantized_fp64(model):
             parent, _, leaf = name.rpartition(".")
             setattr(ref.get_submodule(parent), leaf, plain)
     return ref.double()
-
-
-def fp64_grads(ref, window, runs=None):
-    """The adapters' gradient, each example run alone: the window's loss summed over its
-    targets / their number (exact), or with `runs` each run's mean over its targets / k."""
-    params = [p for p in ref.parameters() if p.requires_grad]
-
-    def alone(e):
-        ids = torch.as_tensor(e.input_ids, dtype=torch.long)[None]
-        labels = torch.as_tensor(e.labels[1:], dtype=torch.long)
-        logits = ref(input_ids=ids).logits[0, :-1]
-        return F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
-
-    if runs is None:
-        loss = sum(alone(e) for e in window) / sum(e.num_targets for e in window)
-    else:
-        loss = sum(sum(alone(e) for e in r) / sum(e.num_targets for e in r) for r in runs)
-        loss = loss / len(runs)
-    return torch.autograd.grad(loss, params)
-
-
-def rel(a, b) -> float:
-    num = sum(float((x - y).pow(2).sum()) for x, y in zip(a, b, strict=True))
-    return (num / sum(float(y.pow(2).sum()) for y in b)) ** 0.5
 
 
 def test_one_tiny_round_runs_and_gradaccum_is_exact(llama_config, capsys):

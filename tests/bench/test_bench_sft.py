@@ -73,8 +73,12 @@ def fp64_grads(model, window, runs=None):
     each run's sum over its own targets, divided by k (mean / k)."""
     import copy
 
-    ref = copy.deepcopy(model).double()
-    params = list(ref.parameters())
+    return window_grads(copy.deepcopy(model).double(), window, runs)
+
+
+def window_grads(ref, window, runs=None):
+    """`fp64_grads` on `ref` itself (a float64 model), for the parameters that require grad."""
+    params = [p for p in ref.parameters() if p.requires_grad]
 
     def alone(e):
         ids = torch.as_tensor(e.input_ids, dtype=torch.long)[None]

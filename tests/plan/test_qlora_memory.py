@@ -45,13 +45,18 @@ GPT_PARAMS = GV * GH + GS * GH + GPT_LINEAR + GPT_BIASES_NORMS  # tied head
 GPT_ADAPTERS = GL * RANK * ((GH + 3 * GH) + (GH + GH) + (GH + 4 * GH) + (4 * GH + GH))
 
 
-@pytest.fixture(scope="module")
-def llama_folder(tmp_path_factory):
-    config = transformers.LlamaConfig(
+def _llama_config():
+    """The tiny Llama both bases are made from (module constants: its shape by hand)."""
+    return transformers.LlamaConfig(
         hidden_size=H, intermediate_size=F, num_hidden_layers=L, num_attention_heads=A,
         num_key_value_heads=KV, vocab_size=V, max_position_embeddings=128,
         tie_word_embeddings=False,
     )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory):
+    config = _llama_config()
     torch.manual_seed(0)
     folder = tmp_path_factory.mktemp("llama")
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
@@ -149,11 +154,7 @@ def test_a_bf16_run_holds_the_rest_and_the_adapters_in_fp32(tmp_path, bits):
     fp32, so the plan counts 4 bytes for each (2 would fall 25-33% short here), the
     adapters' gradient as an fp32 .grad with no buffer, and AdamW's moments without a master
     copy. Its parameter memory is the loaded model's bytes within 1%."""
-    config = transformers.LlamaConfig(
-        hidden_size=H, intermediate_size=F, num_hidden_layers=L, num_attention_heads=A,
-        num_key_value_heads=KV, vocab_size=V, max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )  # fmt: skip
+    config = _llama_config()
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path)
     spec = QuantSpec(bits, compute_dtype="bf16")

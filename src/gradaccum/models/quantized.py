@@ -227,9 +227,9 @@ def dequantize_linears(model: nn.Module, dtype: torch.dtype = torch.float32) -> 
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, leaf, plain)
-    for key in ("is_loaded_in_4bit", "is_loaded_in_8bit", "is_quantized"):
-        if getattr(model, key, False):
-            setattr(model, key, False)
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:  # transformers refuses to cast a model it loaded quantised
+        quantizer.remove_quantization_config(model)
     return model
 
 

@@ -155,11 +155,7 @@ def dequantized_reference(model: nn.Module) -> nn.Module:
     """A copy of `model` with its bitsandbytes layers dequantised into nn.Linear layers, the
     adapters as they are, in float64: what verify's big batch runs on. `model` is not
     changed."""
-    plain = quantized.dequantize_linears(copy.deepcopy(model), torch.float64)
-    quantizer = getattr(plain, "hf_quantizer", None)
-    if quantizer is not None:  # transformers refuses to cast a model it loaded quantised
-        quantizer.remove_quantization_config(plain)
-    return plain.double()
+    return quantized.dequantize_linears(copy.deepcopy(model), torch.float64).double()
 
 
 @torch.no_grad()
