@@ -32,8 +32,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
-"""The normalisations `loss_sum` and `window_count` implement (module docstring)."""
+from gradaccum.utils.choices import LOSS_TYPES
+
+__all__ = ["LOSS_TYPES", "PolicyLoss", "counter", "group_advantages", "loss_sum", "window_count"]
 
 
 def check_loss_type(loss_type: str, max_completion_length: int | None = None) -> None:
@@ -102,9 +103,10 @@ def window_count(
     mask: torch.Tensor, loss_type: str, max_completion_length: int | None = None
 ) -> int:
     """A micro-batch's part of the window's denominator: its completions (grpo), its
-    completion tokens (bnpo, dapo), or completions x max_completion_length (dr_grpo)."""
+    completion tokens (bnpo, dapo), or completions x max_completion_length (dr_grpo). A row
+    with no completion token (a rank's stand-in) counts for nothing."""
     check_loss_type(loss_type, max_completion_length)
-    rows = int(mask.shape[0])
+    rows = int((mask.sum(dim=1) > 0).sum().item())  # a stand-in row of no completion: none
     if loss_type == "grpo":
         return rows
     if loss_type == "dr_grpo":
@@ -124,10 +126,23 @@ def completion_logprobs(
 ) -> torch.Tensor:
     """log p(token t | tokens before it) for t = 1 .. T-1 of (B, T) ids: (B, T-1), the logits
     divided by the sampling temperature (as the samples were drawn)."""
+    return _log_probs(model, input_ids, temperature, **kwargs)[0]
+
+
+def _log_probs(model, input_ids, temperature, entropy=False, **kwargs):
+    """(completion_logprobs, the entropy of each position's distribution (B, T-1) or None)."""
     out = model(input_ids, **kwargs)
     logits = out if isinstance(out, torch.Tensor) else out.logits
-    logits = logits[:, :-1].float() / temperature
-    return torch.gather(F.log_softmax(logits, dim=-1), 2, input_ids[:, 1:].unsqueeze(2)).squeeze(2)
+    logp = F.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    taken = torch.gather(logp, 2, input_ids[:, 1:].unsqueeze(2)).squeeze(2)
+    if not entropy:
+        return taken, None
+    with torch.no_grad():
+        return taken, -(logp.exp() * logp).sum(dim=-1)
+
+
+TOTALS = ("tokens", "entropy", "clipped", "kl")
+"""What `PolicyLoss.totals` sums over completion tokens (`PolicyLoss.start_tracking`)."""
 
 
 class PolicyLoss:
@@ -136,7 +151,9 @@ class PolicyLoss:
 
     batch: input_ids (B, T) prompt and completion, completion_mask (B, T-1) 1 where token t+1
     is a completion token, old_logprobs (B, T-1) the sampling policy's, advantages (B,), and
-    with beta > 0 ref_logprobs (B, T-1); padding anywhere the mask is 0."""
+    with beta > 0 ref_logprobs (B, T-1); padding anywhere the mask is 0. Without
+    old_logprobs the batch is on-policy: the sampling log-probs are this forward's own,
+    detached, so the ratio is exactly 1 and its gradient the policy gradient."""
 
     def __init__(
         self,
@@ -151,18 +168,42 @@ class PolicyLoss:
         self.loss_type, self.epsilon, self.epsilon_high = loss_type, epsilon, epsilon_high
         self.beta, self.max_completion_length = beta, max_completion_length
         self.temperature = temperature
+        self.totals: dict[str, float] | None = None
+        """Sums over the completion tokens seen since `start_tracking`; None: not kept."""
 
-    def __call__(self, model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, int]:
-        logprobs = completion_logprobs(model, batch["input_ids"], self.temperature)
+    def __call__(
+        self, model: torch.nn.Module, batch: dict, track: bool = True
+    ) -> tuple[torch.Tensor, int]:
+        """(the batch's loss sum, its count); its figures added to `totals` when kept and
+        `track` (False: a stand-in batch of weight 0)."""
+        track = track and self.totals is not None
+        logprobs, entropy = _log_probs(model, batch["input_ids"], self.temperature, track)
+        old = batch.get("old_logprobs")
+        old = logprobs.detach() if old is None else old.to(logprobs.dtype)
+        ref = batch.get("ref_logprobs")
         per_token = per_token_loss(
-            logprobs,
-            batch["old_logprobs"].to(logprobs.dtype),
-            batch["advantages"],
-            self.epsilon,
-            self.epsilon_high,
-            batch.get("ref_logprobs"),
-            self.beta,
+            logprobs, old, batch["advantages"], self.epsilon, self.epsilon_high, ref, self.beta
         )
         mask = batch["completion_mask"]
+        if track:
+            self._track(logprobs.detach(), old, batch["advantages"], ref, entropy, mask)
         count = window_count(mask, self.loss_type, self.max_completion_length)
         return loss_sum(per_token, mask, self.loss_type), count
+
+    def start_tracking(self) -> None:
+        """From now on, add each call's sums over completion tokens to `totals` (`TOTALS`):
+        tokens, entropy (nats), tokens whose ratio the clip holds, and the k3 KL to the
+        reference (with ref_logprobs). Reset by calling it again."""
+        self.totals = dict.fromkeys(TOTALS, 0.0)
+
+    def _track(self, logprobs, old, advantages, ref, entropy, mask) -> None:
+        mask = mask.to(logprobs.dtype)
+        high = self.epsilon if self.epsilon_high is None else self.epsilon_high
+        ratio, adv = torch.exp(logprobs - old), advantages.to(logprobs.dtype).unsqueeze(1)
+        clipped = ((ratio < 1 - self.epsilon) & (adv < 0)) | ((ratio > 1 + high) & (adv > 0))
+        sums = {"tokens": mask, "entropy": entropy, "clipped": clipped.to(mask.dtype)}
+        if ref is not None:
+            diff = ref.to(logprobs.dtype) - logprobs
+            sums["kl"] = torch.exp(diff) - diff - 1
+        for name, value in sums.items():
+            self.totals[name] += float((value * mask).sum())

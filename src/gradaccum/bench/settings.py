@@ -9,9 +9,12 @@ from gradaccum.settings.field import setting
 BENCH_DEFAULTS = {
     "pretrain": {"micro_batch": 4, "accum_steps": 8, "seq_len": 128, "rounds": 5, "windows": 3},
     "sft": {"micro_batch": 8, "accum_steps": 8, "seq_len": 512, "rounds": 5, "windows": 3},
+    "grpo": {"micro_batch": 4, "accum_steps": 8, "rounds": 5, "windows": 3},
 }
-"""`gradaccum bench`'s sizes by --task, the defaults of BenchConfig and SFTBenchConfig. SFT's
---seq-len is the longest example and the padding-free row."""
+"""`gradaccum bench`'s sizes by --task, the defaults of BenchConfig, SFTBenchConfig and
+GRPOBenchConfig. SFT's --seq-len is the longest example and the padding-free row; GRPO's
+micro-batch counts completions (4 x k 8 = 32: 4 prompts x G 8) and it has no --seq-len (the
+prompts and --max-completion-length set the rows)."""
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from gradaccum.bench.settings import BENCH_DEFAULTS, BenchSettings
+from gradaccum.grpo.settings import RLSettings
 from gradaccum.models.settings import LoraSettings, ModelSettings
 from gradaccum.parallel.settings import ParallelSettings
 from gradaccum.settings.command import Command, part
@@ -31,6 +32,14 @@ not given) on one 4-bit base, each a copy of the same quantised model with the s
 adapters, all computing in fp32; the update error is against the float64 big batch on the
 dequantised base (the weights the 4-bit layers compute with). --lora-rank alone: LoRA on the
 fp32 base. Needs peft and bitsandbytes >= 0.47 (pip install 'gradaccum[qlora]').
+--task grpo: gradaccum's RL losses against TRL's GRPOTrainer, one Hugging Face model (the tiny
+Llama, or --model-config), --prompts-per-step x --num-generations completions per step
+(micro-batch x k, the micro-batch in completions), sampled once with the model's generate
+(timed apart) and cut to lengths varying 8x. For each --loss-type (all when not given): both
+contestants' update error against the float64 big batch, then completion tokens/s of forward,
+backward and step. TRL runs its own per-micro-batch path (training_step, its own scaling under
+gradient_accumulation_steps). Its defaults: --micro-batch 4 (completions), --accum-steps 8,
+--rounds 5, --windows 3. Needs trl (pip install 'gradaccum[bench]').
 """
 
 COUNTS = ("micro_batch", "accum_steps", "seq_len", "rounds", "windows", "seed")
@@ -39,6 +48,12 @@ SFT_ONLY = ("micro_batch_tokens", "packing", "lora_rank", "base_bits", "base_qua
 """Flags `gradaccum bench` takes with --task sft only."""
 """The counts `gradaccum bench` takes; None when not given: the config's defaults
 (`BENCH_DEFAULTS`, which the help states) fill them in."""
+GRPO_ONLY = ("prompts_per_step", "num_generations", "max_completion_length", "temperature",
+             "loss_type")  # fmt: skip
+"""Flags `gradaccum bench` takes with --task grpo only."""
+GRPO_COUNTS = ("micro_batch", "accum_steps", "rounds", "windows", "seed", "prompts_per_step",
+               "num_generations", "max_completion_length", "temperature")  # fmt: skip
+"""The numbers --task grpo reads; its other flags of bench's are refused with it."""
 
 COMMAND = Command(
     name="bench",
@@ -51,6 +66,7 @@ COMMAND = Command(
         part(BatchSettings, "micro_batch", "accum_steps", "seq_len", "micro_batch_tokens"),
         part(BatchSettings, "packing"),
         part(LoraSettings, "lora_rank", "base_bits", "base_quant"),
+        part(RLSettings, *GRPO_ONLY),
         part(BenchSettings),
         part(RunSettings, "seed"),
         part(ParallelSettings, "device"),
@@ -59,8 +75,17 @@ COMMAND = Command(
     run="bench_run",
     epilog=_EPILOG,
     task_defaults=BENCH_DEFAULTS,
-    defaults={"packing": "all of none, window, padding-free"},
+    defaults={
+        "packing": "all of none, window, padding-free",
+        "prompts_per_step": None,
+        "loss_type": None,
+    },
     notes={
+        "prompts_per_step": "--task grpo only; micro-batch x k / G when not given.",
+        "num_generations": "--task grpo only.",
+        "max_completion_length": "--task grpo only.",
+        "temperature": "--task grpo only.",
+        "loss_type": "--task grpo only; each of them when not given.",
         "lora_rank": "--task sft only; 8 with --base-bits when not given.",
         "base_bits": "--task sft only; --lora-rank defaults to 8 with it.",
     },

@@ -11,7 +11,7 @@ from gradaccum.bench.sft import report as sft_report
 from gradaccum.bench.sft.config import SFTBenchConfig
 from gradaccum.bench.sft.loops import PEERS as SFT_PEERS
 from gradaccum.bench.sft.measure import run_sft_bench
-from gradaccum.cli.bench import COUNTS, SFT_COUNTS, SFT_ONLY
+from gradaccum.cli.bench import COUNTS, GRPO_COUNTS, GRPO_ONLY, SFT_COUNTS, SFT_ONLY
 from gradaccum.cli.common import print_json
 from gradaccum.settings.command import namespace
 from gradaccum.utils.choices import PACKINGS
@@ -26,8 +26,27 @@ def _names(flag: str, text: str, known) -> tuple[str, ...]:
     return () if names == ["none"] else tuple(names)
 
 
+def _refuse(args: argparse.Namespace, names, task: str) -> None:
+    """BadInput for the first of `names` given: a flag of another --task than `task`."""
+    for dest in names:
+        if getattr(args, dest) is not None:
+            raise BadInput(flag_name(dest), getattr(args, dest), f"not with --task {task}")
+
+
+def grpo_config_from_args(args: argparse.Namespace):
+    """The GRPOBenchConfig of the flags given (its own defaults for the rest)."""
+    from gradaccum.bench.grpo.config import GRPOBenchConfig
+
+    _refuse(args, ("model", "seq_len", "peers") + SFT_ONLY, "grpo")
+    values = {d: getattr(args, d) for d in GRPO_COUNTS if getattr(args, d) is not None}
+    if args.loss_type is not None:
+        values["loss_types"] = (args.loss_type,)
+    return GRPOBenchConfig(model_config=args.model_config, device=args.device or "auto", **values)
+
+
 def sft_config_from_args(args: argparse.Namespace) -> SFTBenchConfig:
     """The SFTBenchConfig of the flags given (its own defaults for the rest)."""
+    _refuse(args, GRPO_ONLY, "sft")
     if args.model is not None:
         raise BadInput(
             "--model",
@@ -48,6 +67,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     for dest in SFT_ONLY:
         if getattr(args, dest) is not None:
             raise BadInput(flag_name(dest), getattr(args, dest), "only with --task sft")
+    _refuse(args, GRPO_ONLY, "pretrain")
     values = {dest: getattr(args, dest) for dest in COUNTS if getattr(args, dest) is not None}
     if args.peers is not None:
         values["peers"] = _names("--peers", args.peers, PEERS)
@@ -56,23 +76,31 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     )
 
 
+def _measure(task: str, args: argparse.Namespace, progress):
+    """(results, config, to_json, render_table) of --task `task`; its config read and
+    checked before anything is built."""
+    if task == "grpo":
+        from gradaccum.bench.grpo import report as grpo_report
+        from gradaccum.bench.grpo.measure import run_grpo_bench
+
+        rows, summary = run_grpo_bench(grpo_config_from_args(args), progress=progress)
+        return rows, summary, grpo_report.to_json, grpo_report.render_table
+    if task == "sft":
+        entries, summary = run_sft_bench(sft_config_from_args(args), progress=progress)
+        return entries, summary, sft_report.to_json, sft_report.render_table
+    entries, summary = run_bench(config_from_args(args), progress=progress)
+    return entries, summary, to_json, render_table
+
+
 def run(args: argparse.Namespace) -> int:
     args = namespace(args, fill=False)
-    args.task = args.task or "pretrain"
-    sft = args.task == "sft"
-    config = sft_config_from_args(args) if sft else config_from_args(args)
 
     def progress(line: str) -> None:  # stderr, so that --json keeps stdout to the object
         print(line, file=sys.stderr, flush=True)
 
-    if sft:
-        entries, summary = run_sft_bench(config, progress=progress)
-        data, table = sft_report.to_json, sft_report.render_table
-    else:
-        entries, summary = run_bench(config, progress=progress)
-        data, table = to_json, render_table
+    results, summary, data, table = _measure(args.task or "pretrain", args, progress)
     if args.json:
-        print_json(data(entries, summary))
+        print_json(data(results, summary))
     else:
-        sys.stdout.write(table(entries, summary))
+        sys.stdout.write(table(results, summary))
     return 0

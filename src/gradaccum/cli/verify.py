@@ -10,6 +10,7 @@ import os
 
 from gradaccum.data.settings import DEFAULT_SPLIT, DataSettings
 from gradaccum.engine.settings import PrecisionSettings
+from gradaccum.grpo.settings import RLSettings
 from gradaccum.models.quantized_spec import check_base_flags
 from gradaccum.models.settings import LoraSettings, ModelSettings, model_source
 from gradaccum.moe.settings import MoESettings
@@ -21,6 +22,18 @@ from gradaccum.verification.budget import MAX_SEQ_LEN
 from gradaccum.verification.settings import VerifySettings
 
 DEFAULT_PLOT = "precision_study.png"
+GRPO_FIELDS = (
+    "prompts_per_step",
+    "num_generations",
+    "max_completion_length",
+    "temperature",
+    "loss_type",
+    "epsilon",
+    "epsilon_high",
+    "beta",
+    "scale_rewards",
+)
+"""The RL settings --task grpo takes."""
 DEFAULT_LORA_RANK = 8
 """The LoRA rank of --base-bits without --lora-rank."""
 
@@ -34,7 +47,12 @@ only), each micro-batch padded to its longest, so the micro-batches hold differe
 targets. --packing window or padding-free cuts the same examples as `train --packing` does
 (by --micro-batch-tokens, or into padding-free rows of up to --seq-len with attention kept
 inside each example), checked against every example of the window padded into one unpacked
-batch. --base-bits 4 or 8 (QLoRA): the model built with its blocks' linear layers in
+batch. --task grpo: --prompts-per-step built-in prompts x --num-generations completions
+sampled from the model, rewards drawn from --seed, cut into --k micro-batches (or of
+--micro-batch completions each), through each --loss-type (all four unless given) against one
+float64 big batch with the loss written out, and beside it the mistakes users hit on the same
+completions: each micro-batch normalised on its own then divided by k, the window's
+normalisation divided by k once more, groups cut across micro-batches. --base-bits 4 or 8 (QLoRA): the model built with its blocks' linear layers in
 bitsandbytes' 4- or 8-bit layers on the CPU, LoRA adapters on it (rank {DEFAULT_LORA_RANK}
 unless --lora-rank says), checked against the same adapters on the dequantised base in
 float64; how far the dequantised weights are from the original ones is reported apart, as
@@ -45,6 +63,8 @@ information. --lora-rank alone: the adapters on the full base. Examples:
   gradaccum verify --task sft --packing padding-free
   gradaccum verify --task sft --init-from path/to/model --data sft.jsonl --packing window
   gradaccum verify --task sft --init-from path/to/model --base-bits 4   # QLoRA
+  gradaccum verify --task grpo               # every loss type of the GRPO family
+  gradaccum verify --task grpo --loss-type bnpo --num-generations 4 --k 8 --beta 0.04
   gradaccum verify --model-config path/to/config.json --k 8 --precision bf16
   gradaccum verify --world-size 2          # also DDP and FSDP2 over 2 gloo processes on CPU
   gradaccum verify --model tiny-moe --moe-balance micro   # a mixture of experts
@@ -72,6 +92,7 @@ COMMAND = Command(
         ),
         part(VerifySettings, "k"),
         part(BatchSettings, "micro_batch", "packing", "micro_batch_tokens", "seq_len"),
+        part(RLSettings, *GRPO_FIELDS),
         part(PrecisionSettings),
         part(RunSettings, "seed"),
         part(VerifySettings, "world_size", "precision_study", "k_max", "plot"),
@@ -79,7 +100,21 @@ COMMAND = Command(
     ),
     run="verify_run",
     epilog=_EPILOG,
-    defaults={"micro_batch": 4, "packing": "none", "seq_len": 64, "precision": None},
+    defaults={
+        "micro_batch": 4,
+        "packing": "none",
+        "seq_len": 64,
+        "precision": None,
+        "prompts_per_step": 4,
+        "loss_type": None,
+    },
+    # --task grpo: the window is prompts x completions, cut by --k or --micro-batch (one of
+    # them), as wide as its longest prompt and completion
+    task_defaults={
+        "pretrain": {},
+        "sft": {},
+        "grpo": {"k": None, "micro_batch": None, "seq_len": None},
+    },
     exclusive=(("model", "model_config", "init_from"),),
     notes={
         "lora_rank": f"With --base-bits and no --lora-rank: {DEFAULT_LORA_RANK}. Unlike "
@@ -91,9 +126,15 @@ COMMAND = Command(
         "verdict.",
         "precision": "Default fp32; with --init-from, the dtype the folder's weights are "
         "stored in (bf16 weights: bf16), and --precision fp32 loads them in fp32.",
+        "loss_type": "verify: every loss type when not given.",
+        "k": "--task grpo: the window's completions cut into K micro-batches as equal as "
+        "they can be; given --micro-batch instead, K follows from it.",
+        "micro_batch": "--task grpo: completions per micro-batch (the last holds what is "
+        "left); not given, --k decides.",
         "seq_len": f"Rows are ragged, this is the longest; at most {MAX_SEQ_LEN}: the float64 "
         "big batch costs about the square of it, and k x micro-batch x seq-len must fit the "
-        "available memory at about 8 bytes x (18 x layers x width + 3 x vocab) per token.",
+        "available memory at about 8 bytes x (18 x layers x width + 3 x vocab) per token. "
+        "--task grpo: the longest prompt plus --max-completion-length unless given.",
     },
 )
 
@@ -105,12 +146,13 @@ def parse_sizes(args) -> dict:
         raise BadInput("--packing", args.packing, f"choose one of {', '.join(PACKINGS)}")
     names = ("k", "micro_batch", "seq_len", "world_size", "k_max", "seed")
     sizes = {name: getattr(args, name) for name in names}
-    if sizes["seq_len"] < 2:
-        raise BadInput("--seq-len", sizes["seq_len"], "must be at least 2 (one input, one target)")
-    if sizes["seq_len"] > MAX_SEQ_LEN:
+    seq_len = sizes["seq_len"]  # None: --task grpo sets it from its prompts
+    if seq_len is not None and seq_len < 2:
+        raise BadInput("--seq-len", seq_len, "must be at least 2 (one input, one target)")
+    if seq_len is not None and seq_len > MAX_SEQ_LEN:
         raise BadInput(
             "--seq-len",
-            sizes["seq_len"],
+            seq_len,
             f"at most {MAX_SEQ_LEN}: verify's float64 big batch costs about the square of the "
             "length (k 4 x 4 sequences of 4096 tokens took 262 s on 2 CPU cores)",
         )
@@ -120,7 +162,18 @@ def parse_sizes(args) -> dict:
     _check_task(args)
     _check_lora(args)
     _check_plot(args)
+    if args.task == "grpo":
+        sizes.update(_grpo_cut(args))
     return sizes
+
+
+def _grpo_cut(args) -> dict:
+    """--task grpo: completions per micro-batch ("cut"), k and the largest micro-batch."""
+    from gradaccum.verification.grpo import micro_batch_sizes  # torch: only when verify runs
+
+    completions = args.prompts_per_step * args.num_generations
+    cut = micro_batch_sizes(completions, args.k, args.micro_batch, COMMAND.default("k"))
+    return {"cut": cut, "k": len(cut), "micro_batch": max(cut)}
 
 
 def _model_source(args) -> tuple[str | None, str | None]:
@@ -144,8 +197,13 @@ SFT_READING = ("data_format", "train_on_prompt", "drop_long", "skip_bad_rows")
 
 
 def _check_task(args) -> None:
-    """--data belongs to --task sft; the N-rank check and the precision study run on the
-    pretraining window only."""
+    """--data belongs to --task sft, the RL settings to --task grpo; the N-rank check and the
+    precision study run on the pretraining window only."""
+    if args.task != "grpo":
+        for name in GRPO_FIELDS:
+            value = getattr(args, name)
+            if value != COMMAND.default(name, args.task):
+                raise BadInput(flag_name(name), value, "needs --task grpo")
     if args.task != "sft":
         if args.data is not None:
             raise BadInput("--data", args.data, "needs --task sft (the pretraining check "
@@ -161,6 +219,8 @@ def _check_task(args) -> None:
             raise BadInput("--packing", args.packing, "needs --task sft")
         if args.micro_batch_tokens is not None:
             raise BadInput("--micro-batch-tokens", args.micro_batch_tokens, "needs --task sft")
+        if args.task == "grpo":
+            _check_grpo(args)
         return
     tokens = args.micro_batch_tokens
     if tokens is not None and args.packing == "none":
@@ -175,6 +235,17 @@ def _check_task(args) -> None:
         raise BadInput("--world-size", args.world_size, "runs on --task pretrain only")
     if args.precision_study:
         raise BadInput("--precision-study: runs on --task pretrain only")
+
+
+def _check_grpo(args) -> None:
+    """--task grpo checks one window in one process, the policy loss alone."""
+    if args.world_size > 1:
+        raise BadInput("--world-size", args.world_size, "runs on --task pretrain only")
+    if args.precision_study:
+        raise BadInput("--precision-study: runs on --task pretrain only")
+    if args.moe_balance is not None:
+        raise BadInput("--moe-balance", args.moe_balance, "needs --task pretrain or sft: "
+                       "--task grpo checks the policy loss alone")  # fmt: skip
 
 
 def _check_lora(args) -> None:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from gradaccum.cli.common import print_json
 from gradaccum.cli.verify import parse_sizes
 from gradaccum.settings.command import namespace
+from gradaccum.utils.choices import LOSS_TYPES
 from gradaccum.verification.budget import check_fits
 from gradaccum.verification.cases import (
     build_case,
@@ -22,6 +23,9 @@ from gradaccum.verification.cases import (
     world_check,
 )
 from gradaccum.verification.check import verify
+from gradaccum.verification.grpo import OBJECTIVE, grpo_case
+from gradaccum.verification.grpo_check import check_grpo
+from gradaccum.verification.grpo_render import grpo_json, render_grpo
 from gradaccum.verification.render import all_checks, render, report_json, world_row
 
 PROGRESS_TOKENS = 16_384
@@ -34,6 +38,8 @@ __all__ = ["run"]
 def run(args) -> int:
     args = namespace(args)
     sizes = parse_sizes(args)
+    if args.task == "grpo":
+        return _run_grpo(args, sizes)
     case = build_case(args, sizes)
     moe = moe_mode(args, case)
     check_fits(case.info, sizes)
@@ -69,6 +75,23 @@ def run(args) -> int:
     else:
         print(render(case.description, sizes, report, world, studied, window, case.adapters))
     return 0 if passed else 1
+
+
+def _run_grpo(args, sizes: dict) -> int:
+    """--task grpo (`verification.grpo`): the window sampled, each loss type checked against
+    the float64 big batch with the mistakes beside it."""
+    case, window = grpo_case(args, sizes)
+    objective = {name: getattr(args, name) for name in OBJECTIVE}
+    loss_types = LOSS_TYPES if args.loss_type is None else (args.loss_type,)
+    checks = check_grpo(
+        case.model, window, loss_types, objective, case.precision, sizes["seed"], case.reference
+    )
+    shown = (case.description, window, checks, case.precision, objective, case.adapters)
+    if args.json:
+        print_json(grpo_json(*shown))
+    else:
+        print(render_grpo(*shown))
+    return 0 if all(c.passed for c in checks) else 1
 
 
 def _progress(sizes: dict) -> Callable[[str], None] | None:

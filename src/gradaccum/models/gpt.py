@@ -5,7 +5,9 @@ self-attention (`F.scaled_dot_product_attention`) and a GELU MLP, a final LayerN
 output head tied to the token embedding. Given `document_ids` (several documents packed in one
 row, `gradaccum.data.sft.packing`), attention is restricted to each document by a boolean
 block-causal mask, and positions restart at each document, so every document's logits are
-those it would have alone. Its parameter count is
+those it would have alone. `GPT.decode` gives the same logits a few positions at a time,
+keeping each block's attention keys and values (a KV cache), for sampling. Its parameter
+count is
 
     V*C + T*C + L*(12*C*C + 13*C) + 2*C        (V vocab, T seq_len, L layers, C width)
 
@@ -36,6 +38,10 @@ from gradaccum.moe.layer import MoE, MoEOutput
 # The `model_type` written into config.json for this GPT, so a checkpoint folder says which
 # kind of model it holds (Hugging Face configs carry their own model_type).
 GPT_MODEL_TYPE = "gradaccum-gpt"
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+"""One block's cached attention keys and values, (b, heads, positions, C / heads) each
+(`GPT.decode`)."""
 
 
 @dataclass
@@ -113,6 +119,32 @@ class CausalSelfAttention(nn.Module):
         y = y.transpose(1, 2).contiguous().view(b, t, c)
         return self.resid_drop(self.c_proj(y))
 
+    def decode(self, x: torch.Tensor, past: KVCache | None) -> tuple[torch.Tensor, KVCache]:
+        """Attention of x's t new positions (b, t, C) over the cached keys and values of the
+        positions before them (`past`, (b, heads, P, C / heads) each, or None for none) and
+        their own: (the output (b, t, C), the keys and values of all P + t positions)."""
+        b, t, c = x.shape
+        q, k, v = self.c_attn(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        if past is not None:
+            k, v = torch.cat((past[0], k), dim=2), torch.cat((past[1], v), dim=2)
+        p = k.shape[2] - t
+        # New position i (absolute p + i) sees keys 0 .. p + i. SDPA's is_causal aligns the
+        # mask to the top left, right only when there is no past; one new token sees all.
+        mask = None
+        if p and t > 1:
+            mask = torch.ones(t, p + t, dtype=torch.bool, device=x.device).tril(diagonal=p)
+        y = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=p == 0 and t > 1,
+        )
+        y = y.transpose(1, 2).contiguous().view(b, t, c)
+        return self.resid_drop(self.c_proj(y)), (k, v)
+
 
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig):
@@ -145,6 +177,15 @@ class Block(nn.Module):
             y, router_logits = self.mlp(self.ln_2(x))
             return x + y, router_logits
         return x + self.mlp(self.ln_2(x)), None
+
+    def decode(self, x: torch.Tensor, past: KVCache | None) -> tuple[torch.Tensor, KVCache]:
+        """`forward` for x's new positions given the cache of the ones before them (see
+        `CausalSelfAttention.decode`): (the block's output, the updated cache). The MLP, dense
+        or mixture of experts, acts on each position alone, so it needs no cache."""
+        y, cache = self.attn.decode(self.ln_1(x), past)
+        x = x + y
+        h = self.mlp(self.ln_2(x))
+        return x + (h[0] if isinstance(self.mlp, MoE) else h), cache
 
 
 class GPT(nn.Module):
@@ -226,6 +267,33 @@ class GPT(nn.Module):
         """The router logits `forward(..., output_router_logits=True)` gives, without the
         final LayerNorm and the output head (the MoE balance's routing pass)."""
         return self._trunk(input_ids, position_ids, document_ids)[1]
+
+    def decode(
+        self, input_ids: torch.Tensor, cache: list[KVCache] | None, start_pos: int
+    ) -> tuple[torch.Tensor, list[KVCache]]:
+        """Incremental decoding with a key/value cache: the logits (b, t, vocab) of input_ids
+        (b, t), the tokens at positions start_pos .. start_pos + t - 1 of rows whose earlier
+        start_pos tokens are held in `cache` (one (keys, values) pair per block, as this
+        returns; None when start_pos is 0), and the cache of all start_pos + t positions.
+        The logits are those `forward` gives at those positions for the whole rows (causal
+        attention, positions from 0; no packed documents). start_pos + t must be <= seq_len.
+        Used for sampling (`gradaccum.grpo.sampling`): each new token costs one position's
+        work instead of a forward over the whole row."""
+        t = input_ids.shape[1]
+        if start_pos + t > self.config.seq_len:
+            raise ValueError(
+                f"decoding positions up to {start_pos + t}: longer than seq_len "
+                f"{self.config.seq_len}"
+            )
+        if (cache is None) != (start_pos == 0):
+            raise ValueError(f"decode: a cache goes with start_pos > 0, got {start_pos}")
+        positions = torch.arange(start_pos, start_pos + t, device=input_ids.device)
+        x = self.drop(self.wte(input_ids) + self.wpe(positions))
+        new_cache = []
+        for i, block in enumerate(self.blocks):
+            x, layer_cache = block.decode(x, None if cache is None else cache[i])
+            new_cache.append(layer_cache)
+        return F.linear(self.ln_f(x), self.wte.weight), new_cache
 
     def _trunk(self, input_ids, position_ids, document_ids):
         """(the residual stream after the last block (b, T, C), each MoE block's logits)."""

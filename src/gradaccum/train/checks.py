@@ -92,6 +92,8 @@ def check_out_folder(out: str) -> None:
         raise BadInput("--out", out, f"{path} is not writable ({err.strerror})") from None
 
 
+WARM_START = "sft"
+"""The folder of a --task grpo run's SFT stage, in --out (`gradaccum.train.loop.sft_first`)."""
 START_ENTRIES = (".lock",)
 """What a run writes before its config.yaml: a folder holding only these (and .tmp- files,
 atomic writes cut short) is a run whose start was cut short."""
@@ -108,6 +110,9 @@ def is_run_folder(out: str) -> bool:
     entries = os.listdir(out)
     if all(e in START_ENTRIES or e.startswith(".tmp-") for e in entries):
         return True
+    warm = os.path.join(out, WARM_START)
+    if set(entries) - set(START_ENTRIES) == {WARM_START} and os.path.isdir(warm):
+        return is_run_folder(warm)  # a --task grpo run stopped in its SFT stage
     return (
         _our_settings(os.path.join(out, SETTINGS_FILE))
         or _our_train_toml(os.path.join(out, LEGACY_SETTINGS_FILE))
@@ -238,6 +243,8 @@ def check_run_folder(out: str, resume: bool) -> None:
         )
     has_checkpoint = bool(checkpoint.step_folders(out))
     finished = os.path.exists(os.path.join(out, "model.pt"))
+    if os.path.isdir(os.path.join(out, WARM_START)):  # a --task grpo run's SFT stage
+        has_checkpoint = finished = True
     if resume and not has_checkpoint:
         raise BadInput("--resume", out, "no checkpoint in this folder to resume from")
     if not resume and (has_checkpoint or finished):

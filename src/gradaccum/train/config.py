@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, fields
 
 from gradaccum.data.settings import DataSettings
 from gradaccum.engine.settings import PrecisionSettings
+from gradaccum.grpo.settings import RLSettings
 from gradaccum.models.quantized_spec import check_base_flags
 from gradaccum.models.settings import LoraSettings, ModelSettings
 from gradaccum.moe.settings import MoESettings
@@ -62,6 +63,7 @@ COMPONENTS = (
     OptimizerSettings,
     PrecisionSettings,
     LoraSettings,
+    RLSettings,
     MoESettings,
     ParallelSettings,
     CheckpointSettings,

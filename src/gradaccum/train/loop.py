@@ -9,7 +9,9 @@ export, the plot and the summary.
 
 With --task sft the same loop trains on examples: the data, the windows (a number of
 examples or a budget of counted tokens per step, micro-batches padded to their longest) and
-the evaluation come from `sft`; everything else is shared.
+the evaluation come from `sft`; everything else is shared. --task grpo reads its prompts as
+SFT examples and evaluates as SFT does; its windows (sampled, scored completions) and its
+loss (`gradaccum.rl`) come from `grpo`.
 
 The parts, each in its module: the batch as it trains (`batch_state`), how `--micro-batch
 auto` is settled (`micro_batch`), what a checkpoint holds (`payload`), out-of-memory recovery
@@ -22,17 +24,20 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
+from gradaccum import rl
 from gradaccum.data.batches import Batches
 from gradaccum.engine.accumulator import Accumulator, StepResult
+from gradaccum.grpo.rewards import RewardError
 from gradaccum.models.loss import causal_lm_loss
 from gradaccum.parallel import devices
 from gradaccum.parallel.process_group import RankInfo, init_distributed, teardown
-from gradaccum.train import adapters, micro_batch, moe, parts, sft, sft_plan, summary
+from gradaccum.train import adapters, grpo, micro_batch, moe, parts, sft, sft_plan, summary
 from gradaccum.train.batch_state import BatchState
-from gradaccum.train.checks import prepare
+from gradaccum.train.checks import WARM_START, prepare
 from gradaccum.train.config import AUTO, TrainConfig
 from gradaccum.train.console import Clock, Console, Progress, StopSignals
 from gradaccum.train.epochs import pretrain_epoch_tokens
@@ -41,12 +46,13 @@ from gradaccum.train.evaluation import to_device as _to_device
 from gradaccum.train.recovery import OUT_OF_MEMORY, PEER_OUT_OF_MEMORY, STOP, Recovery, lost_rank
 from gradaccum.train.resolve import Resolved, resolve_run
 from gradaccum.train.rundir import best, payload, resume
+from gradaccum.train.rundir.checkpoint import step_folders
 from gradaccum.train.rundir.metrics import read_metrics, window_record
 from gradaccum.train.rundir.outputs import Outputs
 from gradaccum.train.rundir.payload import RunState
 from gradaccum.train.schedule import Schedule, make_scheduler
 from gradaccum.utils.atomic import interrupted
-from gradaccum.utils.errors import BadInput, first_line
+from gradaccum.utils.errors import BadInput, RunFailed, first_line
 
 __all__ = ["TrainConfig", "evaluate", "train"]
 
@@ -67,15 +73,50 @@ def train(config: TrainConfig, should_stop: Callable[[int], bool] | None = None)
     except ValueError as err:  # a bad torchrun environment or a device the backend cannot use
         raise BadInput("--device", config.device, first_line(err)) from None
     try:
+        config, stopped = sft_first(config, rank_info, should_stop)
+        if stopped is not None:
+            return stopped
         return Run.build(config, rank_info).train(should_stop)
     finally:
         teardown(rank_info)
 
 
+WARM_START_STEPS = 300
+"""Steps of the SFT stage that --task grpo on the built-in set without --init-from starts
+with (the built-in tasks' answers are then partly right: rewards to learn from)."""
+
+
+def sft_first(
+    config: TrainConfig, rank_info: RankInfo, should_stop
+) -> tuple[TrainConfig, dict | None]:
+    """--task grpo with no model given (no --model, --model-config or --init-from) on the
+    built-in set: a short SFT run in --out/sft first (continued where it stopped, skipped
+    once finished), then the GRPO run from it: (the GRPO config, None); or (config, the SFT
+    run's summary) when a stop request ended the SFT stage."""
+    given = config.init_from or config.model_config or config.model or config.data
+    if config.task != "grpo" or given:
+        return config, None
+    grpo.check_builtin_rewards(config)  # --reward refused before the SFT stage, not after
+    folder = os.path.join(config.out, WARM_START)
+    if not os.path.exists(os.path.join(folder, "model.pt")):
+        stage = TrainConfig(task="sft", seq_len=config.seq_len,
+                            seed=config.seed, max_steps=WARM_START_STEPS, out=folder,
+                            resume=bool(step_folders(folder)), json=config.json,
+                            device=config.device, precision=config.precision)  # fmt: skip
+        if rank_info.rank == 0 and not config.json:
+            print(f"grpo: no --init-from: first {WARM_START_STEPS} steps of SFT on the built-in "
+                  f"set in {folder}, then GRPO from that model", flush=True)  # fmt: skip
+        summary_ = Run.build(prepare(stage), rank_info).train(should_stop)
+        if summary_.get("stopped"):
+            return config, summary_
+    resume = bool(step_folders(config.out))  # the GRPO stage's own checkpoints
+    return replace(config, init_from=os.path.abspath(folder), model=None, resume=resume), None
+
+
 def epoch_tokens(config: TrainConfig, data) -> int | None:
     """A pretraining run's --epochs in tokens (`epochs.pretrain_epoch_tokens`); None for SFT,
     whose epochs `sft.plan_config` counts in windows, or without --epochs."""
-    if config.task == "sft":
+    if config.task != "pretrain":
         return None
     return pretrain_epoch_tokens(config.epochs, len(data.train), config.seq_len)
 
@@ -108,6 +149,9 @@ class Run:
         self.notes = notes or []  # what a resume changed, one line each
         self.model = parts.place(model, config, rank_info)
         self.moe = moe.make(config, self.model)  # None for a dense model
+        self.sft = data if config.task in ("sft", "grpo") else None
+        """A --task sft or grpo run's data (`sft.SFTParts`); None for pretraining."""
+        self.policy = self._policy_loss()  # --task grpo's loss; None otherwise
         self.optimizer = parts.optimizer(self.model, config)
         self.scheduler = make_scheduler(self.optimizer, schedule)
         self.acc = Accumulator(
@@ -117,11 +161,13 @@ class Run:
             max_grad_norm=config.max_grad_norm or None,
             precision=config.precision,
             noise_scale=config.noise_scale,
+            count_tokens=rl.counter(config.loss_type, config.max_completion_length)
+            if self.policy is not None
+            else "auto",
         )
-        self.sft = data if config.task == "sft" else None
-        """A --task sft run's data (`sft.SFTParts`); None for pretraining."""
         self.batches = self._make_batches(batch.micro_batch)
-        self.window_examples = 0  # examples in the last window (--task sft), all ranks
+        self.window_examples = 0  # examples (--task grpo: completions) in the last window
+        self.window_fields: dict = {}  # --task grpo: the last window's rewards and lengths
         self.sft_plan: sft_plan.SFTPlan | None = None  # --task sft: what its steps hold
         abandon = self.moe.abandon if self.moe is not None else None
         self.recovery = Recovery(
@@ -131,9 +177,31 @@ class Run:
         self.progress: Progress | None = None  # the bar or log lines, while the loop runs
         self.clock = Clock()
 
+    def _policy_loss(self) -> rl.PolicyLoss | None:
+        """--task grpo: the loss (`rl.PolicyLoss`), its prompts and rewards checked first."""
+        config = self.config
+        if config.task != "grpo":
+            return None
+        if self.moe is not None:
+            raise BadInput("--model", config.preset, "a mixture of experts: not with --task grpo")
+        self.prompts = grpo.prompts_of(self.sft.train, self.sft.tokenizer, config.seq_len)
+        grpo.check(config, self.prompts)
+        self.rewards = grpo.rewards_of(config, self.prompts)  # before any generation
+        return rl.PolicyLoss(config.loss_type, config.epsilon, config.epsilon_high, config.beta,
+                             config.max_completion_length, config.temperature)  # fmt: skip
+
     def _make_batches(self, micro: int):
-        """The training stream: sequences (`Batches`), or SFT windows (`sft.SFTStream`)."""
+        """The training stream: sequences (`Batches`), SFT windows (`sft.SFTStream`), or
+        sampled and scored completions (`grpo.GRPOStream`)."""
         rank, world = self.rank_info.rank, self.rank_info.world_size
+        if self.policy is not None:
+            reference = None
+            if self.config.beta:  # the starting model, frozen
+                reference = parts.new_model(self.config, self.data.info, self.device)[0]
+                reference.to(self.device).eval().requires_grad_(False)
+            return grpo.GRPOStream(self.config, self.prompts, self.sft.tokenizer, self.rewards,
+                                   lambda: parts.unwrapped(self.model), micro, self.rank_info,
+                                   reference)  # fmt: skip
         if self.sft is not None:
             pad = self.sft.tokenizer.pad_id
             fill = self.moe is None  # no empty rows for a balance to route
@@ -155,7 +223,9 @@ class Run:
         data = parts.load_data(config)
         model, model_info = parts.new_model(config, data.info, rank_info.device)
         plan_config = config
-        if config.task == "sft":
+        if config.task == "grpo":
+            plan_config = grpo.plan_config(config, rank_info.world_size)
+        elif config.task == "sft":
             measured = None
             if config.micro_batch == AUTO:
                 per_step = sft.examples_per_step(config, data.train)
@@ -186,7 +256,9 @@ class Run:
         data = parts.load_data(config)
         model, model_info = parts.checkpoint_model(config, data.info, ckpt.path, rank_info.device)
         notes = resume.check_data(config, ckpt, data.info)
-        if config.task == "sft":  # the windows are counted in examples, whatever the layout
+        if config.task == "grpo":
+            plan_config = grpo.plan_config(config, rank_info.world_size)
+        elif config.task == "sft":  # the windows are counted in examples, whatever the layout
             plan_config = sft.resume_plan_config(config, ckpt, data.train, rank_info.world_size)
         else:
             plan_config = resume.batch_config(config, ckpt, rank_info.world_size)
@@ -219,7 +291,7 @@ class Run:
     def start(self) -> None:
         """Say what is about to happen, take the folder's lock, write config.yaml. No room on
         the disk for any of it: RunFailed in one line, and a new run's start leaves nothing."""
-        if self.sft is not None:
+        if self.sft is not None and self.policy is None:
             self.sft_plan = sft_plan.measure(
                 self.config,
                 self.sft.train,
@@ -230,7 +302,9 @@ class Run:
                 fill_rows=self.moe is None,
             )
         lines = summary.opening_lines(self)
-        if self.sft is not None:
+        if self.policy is not None:
+            lines += self.sft.summary_lines()
+        elif self.sft is not None:
             lines += self.sft.summary_lines()
             lines += sft.plan_lines(self.config, self.sft, self.batch.micro_batch)
         else:
@@ -262,6 +336,8 @@ class Run:
                 self.outputs.abandon()
                 if signals.interrupted or interrupted(err):  # a Ctrl-C a library reworded
                     raise self._interrupt(KeyboardInterrupt()) from None
+                if isinstance(err, RewardError):  # --reward failed mid-run: what is kept
+                    raise RunFailed(f"{err}; {self.outputs.kept('fix it, then ')}") from None
                 lost = lost_rank(err, self.rank_info, self.config.dist_timeout, self.acc.steps)
                 if lost is None:
                     raise
@@ -290,6 +366,8 @@ class Run:
         self.progress = Progress(self.console, self.batch.total, self.acc.steps, self.batch.k)
         self.clock.start_loop(self.state.elapsed_s, self.acc.steps)
         skipped_in_a_row, stopped = 0, None
+        if self.policy is not None and self.acc.steps == 0 and self.is_main:
+            self.evaluate_now()  # --task grpo: the starting model's figures, to compare
         try:
             while not self.batch.finished(self.acc.steps):
                 done = self.train_step(signals)
@@ -343,9 +421,12 @@ class Run:
         self.recovery.begin_window()
         if self.sft is None:
             micro_batches = [next(self.batches) for _ in range(self.batch.k)]
-        else:  # this rank's share of the window's examples, padded per micro-batch
+        else:  # this rank's share of the window's examples (completions), per micro-batch
             sft_window = next(self.batches)
             micro_batches, self.window_examples = sft_window.micro_batches, sft_window.examples
+            self.window_fields = getattr(sft_window, "fields", {})  # --task grpo's record
+            if self.policy is not None:
+                self.policy.start_tracking()
         micro_batches = [_to_device(b, self.device) for b in micro_batches]
         stand_in = micro_batches[-1]  # repeated, weight 0, by a rank with fewer micro-batches
         if self.sft is not None and not sft_window.shares:  # no example here: the stand-in
@@ -358,7 +439,10 @@ class Run:
         self.batch.agreed(window.micro_steps)  # under torchrun, the most micro-batches a rank has
 
         def forward_backward(micro: dict, weight: float) -> None:  # autocast: window.micro_step
-            if moe is None:
+            if self.policy is not None:  # the window's completions, a stand-in not tracked
+                loss_sum, num_tokens = self.policy(self.model, micro, track=weight != 0)
+                window.backward(loss_sum, num_tokens, weight)
+            elif moe is None:
                 loss_sum, num_tokens = causal_lm_loss(self.model, micro)
                 window.backward(loss_sum, num_tokens, weight)  # world / N
             else:  # cross-entropy and the micro-batch's term of the window's balance
@@ -393,7 +477,12 @@ class Run:
         if st.initial_loss is None:
             st.initial_loss = result.loss
         record, words = window_record(result, seconds, self.batch, st.elapsed_s), []
-        if self.sft is not None:  # what the window held: examples, and the tokens N counts
+        if self.policy is not None:  # the completions, their rewards, the loss's figures
+            record.update(completions=self.window_examples, counted=result.tokens)
+            record.update(self.window_fields)
+            record.update(grpo.loss_fields(self.policy.totals, self.config.beta))
+            words.append(f"reward {record['reward']:.3f}, length {record['completion_length']:.1f}")
+        elif self.sft is not None:  # what the window held: examples, and the tokens N counts
             record.update(examples=self.window_examples, counted_tokens=result.tokens)
             words.append(f"{self.window_examples} ex, {result.tokens} tok")
         if self.moe is not None:  # the load-balancing loss and the experts' load

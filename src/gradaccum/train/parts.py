@@ -49,7 +49,7 @@ def load_data(config: TrainConfig) -> Data | sft.SFTParts:
     --task sft, `sft.load_data`: examples); BadInput naming --data (or --eval-data) when it
     cannot be."""
     try:
-        if config.task == "sft":
+        if config.task in ("sft", "grpo"):  # grpo: the examples' prompts
             return sft.load_data(config)
         data = Data(*eval_set.pretrain_tokens(config))  # --eval-data, --eval-fraction
     except BadInput:

@@ -39,6 +39,7 @@ training examples (TRL's num_train_epochs). The built-in set runs TASK_DEFAULTS'
 TASK_DEFAULTS = {
     "pretrain": {"micro_batch": "auto", "lr": 3e-3, "eval_every": 50},
     "sft": {"micro_batch": 16, "lr": 2e-3, "eval_every": 300, "max_steps": 1200},
+    "grpo": {"micro_batch": 16, "lr": 2e-4, "eval_every": 25, "max_steps": 100},
 }
 """`gradaccum train`'s defaults that depend on --task, for the fields left None when not
 given. The SFT ones make the default `gradaccum train --task sft` (the built-in byte-level
@@ -52,7 +53,8 @@ class RunSettings:
     task: str = setting("pretrain", "choice", choices=TASKS)
     """pretrain: the next-token loss on every token of a stream of --seq-len chunks. sft:
     supervised fine-tuning on examples (prompt and completion, chat messages, Alpaca rows),
-    the loss over the completion tokens only."""
+    the loss over the completion tokens only. grpo: RL fine-tuning on the examples' prompts,
+    completions sampled and scored by --reward (docs/rl.md)."""
     max_steps: int | None = setting(None, least=1)
     """Optimizer steps to train for (or give --max-tokens)."""
     max_tokens: int | None = setting(None, least=1, default_text=f"{DEFAULT_MAX_TOKENS:,}")

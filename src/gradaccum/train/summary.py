@@ -8,7 +8,7 @@ import os
 from typing import TYPE_CHECKING
 
 from gradaccum.plan.sizes import fmt_count
-from gradaccum.train import adapters, sft, sft_plan
+from gradaccum.train import adapters, grpo, sft, sft_plan
 from gradaccum.train.epochs import pretrain_length_line
 from gradaccum.train.rundir.best import BEST_FOLDER
 from gradaccum.train.rundir.metrics import plot_loss
@@ -29,6 +29,8 @@ def opening_lines(run: Run) -> list[str]:
     table = run.resolved.table
     if run.sft_plan is not None:  # what the fine-tuning steps hold, not --seq-len sequences
         table = sft_plan.render(sft_plan.rows(run.sft_plan, config, run.resolved.plan))
+    if run.policy is not None:  # --task grpo: prompts, completions, the loss, the rewards
+        table = "\n".join(grpo.plan_lines(config, run.rewards, run.rank_info.world_size))
     lines = [
         table,
         f"model  {model_info.source}: {model_info.params:,} parameters",
@@ -50,6 +52,8 @@ def length_line(run: Run) -> str:
     """The run's length in steps and epochs and what ends it (`gradaccum.train.epochs`); a
     --batch-schedule run's in tokens."""
     config, batch = run.config, run.batch
+    if run.policy is not None:
+        return grpo.length_line(config, len(run.prompts), batch.total)
     if run.sft is not None:
         return sft.length_line(config, run.sft.train)
     if batch.varies:
@@ -177,12 +181,13 @@ def summary(run: Run, records: list[dict], stopped: str | None, wall_s: float) -
     best = run.outputs.best  # --save-best's, known to rank 0
     train_lines = [r for r in records if "loss" in r]
     eval_lines = [r for r in records if "eval_loss" in r]
-    sft = config.task == "sft"
+    sft = config.task != "pretrain"
     return {
         "initial_loss": state.initial_loss,
         "final_loss": train_lines[-1]["loss"] if train_lines else None,
         "final_eval_loss": eval_lines[-1]["eval_loss"] if eval_lines else None,
         "final_exact_match": eval_lines[-1].get("exact_match") if eval_lines else None,
+        "final_reward": train_lines[-1].get("reward") if train_lines else None,  # --task grpo
         "task": config.task,
         "entropy_floor": data_info.entropy_floor,
         "ln_vocab": math.log(data_info.vocab_size),

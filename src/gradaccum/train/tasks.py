@@ -1,14 +1,31 @@
-"""The two tasks of `gradaccum train` (--task pretrain | sft): the settings only one of them
-takes (their defaults are `gradaccum.train.settings.TASK_DEFAULTS`). No torch, no file."""
+"""The tasks of `gradaccum train` (--task pretrain | sft | grpo): the settings only some of them
+take (their defaults are `gradaccum.train.settings.TASK_DEFAULTS`). No torch, no file."""
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 from gradaccum.data.settings import DEFAULT_SPLIT
+from gradaccum.grpo.settings import RLSettings
 from gradaccum.utils.errors import BadInput, flag_name
+
+GRPO_STEP = "a --task grpo step is --prompts-per-step prompts x --num-generations completions"
+GRPO_REFUSES = {
+    "examples_per_step": GRPO_STEP,
+    "tokens_per_step": GRPO_STEP,
+    "packing": "not with --task grpo yet: its micro-batches are --micro-batch completions, "
+    "each padded to its longest",
+    "micro_batch_tokens": "not with --task grpo yet; give --micro-batch",
+    "epochs": "not with --task grpo yet; give --max-steps",
+    "max_tokens": "not with --task grpo; give --max-steps",
+    "train_on_prompt": "not with --task grpo (the loss is over the sampled completions)",
+}
+"""Settings --task grpo does not take (beyond those SFT refuses), and why."""
 
 
 def check_task(config) -> None:
     """BadInput for a setting of `config` (a TrainConfig) that its task does not take."""
+    _check_rl(config)
     if config.examples_per_step is not None and config.tokens_per_step is not None:
         raise BadInput(
             "--examples-per-step",
@@ -57,6 +74,8 @@ def check_task(config) -> None:
         "batch_schedule": "not with --task sft; give --examples-per-step",
         "noise_scale": "not with --task sft yet",
     }
+    if config.task == "grpo":
+        why.update(GRPO_REFUSES)
     for name, text in why.items():
         if getattr(config, name) not in (None, False):
             raise BadInput(flag_name(name), getattr(config, name), text)
@@ -67,3 +86,14 @@ def check_task(config) -> None:
             "needs --packing window or padding-free (--packing none cuts runs of "
             "--micro-batch examples)",
         )
+
+
+def _check_rl(config) -> None:
+    """The RL settings only with --task grpo; --micro-batch a number with it."""
+    if config.task != "grpo":
+        for f in fields(RLSettings):
+            if getattr(config, f.name) != f.default:
+                raise BadInput(flag_name(f.name), getattr(config, f.name), "only with --task grpo")
+        return
+    if config.micro_batch == "auto":
+        raise BadInput("--micro-batch", "auto", "not with --task grpo yet; give a number")

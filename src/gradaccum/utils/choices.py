@@ -27,9 +27,18 @@ batch's loss and gradient, exactly); "global-previous", the previous window's f 
 pass; exact in the probabilities, one window stale in f; the first window falls back to
 "global")."""
 
-TASKS = ("pretrain", "sft")
-"""--task of train and verify: pretraining on a token stream, or supervised fine-tuning on
-examples."""
+TASKS = ("pretrain", "sft", "grpo")
+"""--task of train, verify and bench: pretraining on a token stream, supervised fine-tuning on
+examples, or RL fine-tuning (GRPO family) on prompts with sampled completions."""
+
+LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
+"""--loss-type: the normalisations of the GRPO family's loss (`gradaccum.rl`), each over the
+whole window: grpo, each completion's token mean averaged over the completions; bnpo and dapo,
+the sum over completion tokens over their count; dr_grpo, the sum over completions x
+--max-completion-length."""
+
+SCALE_REWARDS = ("group", "none")
+"""--scale-rewards: advantages over the group's std (group), or only centred (none, Dr. GRPO)."""
 
 PACKINGS = ("none", "window", "padding-free")
 """--packing: how a window's examples become micro-batches (`gradaccum.data.sft.packing`): runs of

@@ -102,7 +102,7 @@ def build_case(args, sizes: dict) -> Case:
     folder keeps its own weights); with --base-bits built quantised on the CPU, and with
     --lora-rank (or --base-bits) given LoRA adapters (`_adapt`). `sizes`: the window's
     (`cli/verify.parse_sizes`)."""
-    sft = getattr(args, "task", "pretrain") == "sft"
+    sft = getattr(args, "task", "pretrain") in ("sft", "grpo")  # examples' tokenizer
     init_from = getattr(args, "init_from", None)
     quant = spec_of(args, "cpu")  # None without --base-bits
     try:
@@ -141,7 +141,7 @@ def _seeded_case(args, sizes: dict, sft: bool, quant: QuantSpec | None = None) -
         raise BadInput(
             "--model-config",
             args.model_config,
-            f"vocabulary of {info.vocab_size}; --task sft feeds byte tokens, ids up to "
+            f"vocabulary of {info.vocab_size}; --task {args.task} feeds byte tokens, ids up to "
             f"{SFT_VOCAB - 1}",
         )
     words = f"{info.source} ({info.params:,} parameters)"

@@ -224,7 +224,7 @@ def _batch_line(ckpt, batch) -> str | None:
         "the batch schedule"
         if saved.get("batch_schedule") is not None
         else "each window's examples"
-        if saved.get("task") == "sft"
+        if saved.get("task") in ("sft", "grpo")
         else None
     )
     if follows is not None:

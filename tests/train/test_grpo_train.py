@@ -1,0 +1,129 @@
+"""`gradaccum train --task grpo`: a run stopped mid-generation and resumed equals the run left
+alone, bit for bit (the generation's completions and sampling log-probs are in the
+checkpoint); a reward function that fails mid-run stops the run in one line naming the
+checkpoint; bad --reward specs and settings are refused in one line before anything is
+written. The tiny built-in GPT from its random start, a reward of its own (the count of a
+distinct characters: varied rewards from the first window), short completions."""
+
+import os
+
+import pytest
+import torch
+
+from gradaccum.cli import main
+from gradaccum.train.config import TrainConfig
+from gradaccum.train.loop import train
+from gradaccum.train.rundir.metrics import read_metrics
+
+from .helpers import TIMING_FIELDS, one_line_error
+
+REWARDS = """
+calls = 0
+
+def letters(prompts, completions, **columns):
+    return [float(len(set(c))) for c in completions]
+
+def fails_later(prompts, completions, **columns):
+    global calls
+    calls += 1
+    if calls > 7:  # the probe, then 3 windows of 2 prompts
+        raise ValueError("the grader went away")
+    return [0.0] * len(completions)
+
+def wrong_count(prompts, completions, **columns):
+    return [1.0]
+"""
+STEPS = 4
+
+
+@pytest.fixture
+def rewards(tmp_path):
+    path = tmp_path / "rewards_grpo.py"
+    path.write_text(REWARDS)
+    return str(path)
+
+
+def config(out, rewards: str, **kw) -> TrainConfig:
+    base = dict(task="grpo", model="tiny", out=str(out), seq_len=64, prompts_per_step=2, num_generations=4,
+                max_completion_length=8, micro_batch=3, max_steps=STEPS, eval_every=0,
+                save_every=1, lr=1e-2, eval_fraction=0, reward=f"{rewards}:letters")  # fmt: skip
+    return TrainConfig(**{**base, **kw})
+
+
+def records(out) -> list[dict]:
+    found = read_metrics(os.path.join(out, "metrics.jsonl"))
+    return [{k: v for k, v in r.items() if k not in TIMING_FIELDS + ("generation_s",)}
+            for r in found]  # fmt: skip
+
+
+def test_resume_mid_generation_is_bit_for_bit(tmp_path, rewards):
+    # two steps per generation: stopped after step 1, the checkpoint holds the generation
+    # whose second window step 2 trains on, with the sampling log-probs (the clip acts)
+    kw = dict(steps_per_generation=2, beta=0.05)
+    whole = train(config(tmp_path / "whole", rewards, **kw))
+    assert whole["steps"] == STEPS
+    stopped = train(config(tmp_path / "parts", rewards, **kw), should_stop=lambda s: s >= 1)
+    assert stopped["steps"] == 1 and stopped["stopped"]
+    resumed = train(config(tmp_path / "parts", rewards, resume=True, **kw))
+    assert resumed["steps"] == STEPS
+    one, two = records(tmp_path / "whole"), records(tmp_path / "parts")
+    assert one == two and len(one) == STEPS
+    assert all(r["reward_std"] > 0 for r in one)  # the rewards vary: a real gradient
+    assert all(r["kl"] >= 0 for r in one) and one[-1]["kl"] > 0  # the policy moved
+    assert max(r["clip_fraction"] for r in one[1::2]) > 0  # the second window of each generation
+    a = torch.load(tmp_path / "whole" / "model.pt", weights_only=True)
+    b = torch.load(tmp_path / "parts" / "model.pt", weights_only=True)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_reward_failing_mid_run_stops_in_one_line_naming_the_checkpoint(
+    tmp_path, rewards, capsys
+):
+    out = tmp_path / "run"
+    argv = ["train", "--task", "grpo", "--model", "tiny", "--out", str(out), "--seq-len", "64",
+            "--prompts-per-step", "2", "--num-generations", "4", "--max-completion-length", "4",
+            "--max-steps", "6", "--eval-fraction", "0", "--save-every", "1",
+            "--reward", f"{rewards}:fails_later"]  # fmt: skip
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"gradaccum: error: --reward {rewards}:fails_later: raised ValueError")
+    assert "the checkpoint at step 3 is still there" in err and "--resume" in err
+
+
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        ("no_such_module_here:f", "no_such_module_here"),
+        ("{rewards}:nothing", "nothing"),
+        ("{rewards}:wrong_count", "returned 1 value"),
+    ],
+)
+def test_a_bad_reward_is_refused_before_anything_is_written(
+    tmp_path, rewards, capsys, spec, words
+):
+    out = tmp_path / "run"
+    spec = spec.format(rewards=rewards)
+    argv = ["train", "--task", "grpo", "--out", str(out), "--reward", spec]
+    line = one_line_error(capsys, argv, stdout_empty=False)
+    assert line.startswith("gradaccum: error: --reward ") and words in line, line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "argv, start",
+    [
+        (["--task", "grpo", "--packing", "window"], "--packing window: not with --task grpo"),
+        (["--task", "grpo", "--tokens-per-step", "4096"], "--tokens-per-step 4096: a --task grpo"),
+        (["--task", "grpo", "--micro-batch", "auto"], "--micro-batch auto: not with --task grpo"),
+        (["--task", "grpo", "--epochs", "2"], "--epochs 2"),
+        (["--task", "sft", "--beta", "0.1"], "--beta 0.1: only with --task grpo"),
+        (["--num-generations", "4"], "--num-generations 4: only with --task grpo"),
+        (["--task", "grpo", "--num-generations", "1"], "--num-generations 1"),
+        (["--task", "grpo", "--reward-weights", "2"], "--reward-weights 2: needs --reward"),
+    ],
+)
+def test_settings_grpo_does_not_take(tmp_path, capsys, argv, start):
+    out = tmp_path / "run"
+    line = one_line_error(capsys, ["train", "--out", str(out), *argv], stdout_empty=False)
+    assert line.removeprefix("gradaccum: error: ").startswith(start), line
+    assert not out.exists()
