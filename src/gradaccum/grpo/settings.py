@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from gradaccum.settings.field import setting
 from gradaccum.utils.choices import LOSS_TYPES, SCALE_REWARDS
 
-DEFAULT_PROMPTS_PER_STEP = 8
+DEFAULT_PROMPTS_PER_STEP = 32
 """--prompts-per-step when not given."""
 
 
@@ -48,7 +48,9 @@ class RLSettings:
     reward: str | None = setting(None, "str", metavar="MODULE:FUNCTION[,...]",
                                  default_text="the built-in tasks' exact match and format")  # fmt: skip
     """Reward functions, comma-separated: each f(prompts, completions, **columns) -> one float
-    per completion (prompts and completions as text; the data's other columns as lists),
-    imported from the working directory or the Python path; their weighted sum is the reward."""
+    per completion (prompts and completions as text, without the end of text; the columns
+    completion, each example's reference answer, and stopped, whether the completion ended
+    with the end of text), imported from the working directory or the Python path (or
+    path/to/file.py:function); their weighted sum is the reward."""
     reward_weights: str | None = setting(None, "str", metavar="W,...", default_text="1 each")
     """Weights of the --reward functions, one per function."""

@@ -81,7 +81,7 @@ def train(config: TrainConfig, should_stop: Callable[[int], bool] | None = None)
         teardown(rank_info)
 
 
-WARM_START_STEPS = 300
+WARM_START_STEPS = 600
 """Steps of the SFT stage that --task grpo on the built-in set without --init-from starts
 with (the built-in tasks' answers are then partly right: rewards to learn from)."""
 

@@ -31,11 +31,12 @@ import os
 import sys
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
-from gradaccum.data.sft.builtin import SOURCE, builtin_rows, check
+from gradaccum.data.sft.builtin import SOURCE, builtin_rows, check, solve
 from gradaccum.data.sft.evaluation import exact_match, heldout_loss
-from gradaccum.data.sft.examples import Example
+from gradaccum.data.sft.examples import IGNORE_INDEX, Example
 from gradaccum.data.sft.load import SFTData, load_sft, tokenize_rows
 from gradaccum.data.sft.packed import Packing, packed_window
 from gradaccum.data.sft.rows import rows_from_dicts
@@ -163,8 +164,23 @@ def load_data(config: TrainConfig) -> SFTParts:
         eod_token=tokenizer.eos_id,
         fingerprint=fingerprint(train, val),
     )
-    builtin = config.data is None and held is None  # answers a program can check
+    # answers a program can check: the built-in set, or --data of its tasks' rows
+    builtin = held is None and (config.data is None or builtin_tasks(data.examples, tokenizer))
     return SFTParts(train, val, info, tokenizer, tokenizer_dir, data, builtin, held)
+
+
+def builtin_tasks(examples: list[Example], tokenizer) -> bool:
+    """Whether every example is a built-in task's prompt with its right answer (a subset of
+    the built-in set written to a file): exact match can be measured on them too."""
+    for e in examples:
+        first = int(np.argmax(e.labels != IGNORE_INDEX))
+        answer = [int(i) for i in e.input_ids[first:] if int(i) != tokenizer.eos_id]
+        try:
+            if solve(tokenizer.decode(e.input_ids[:first].tolist())) != tokenizer.decode(answer):
+                return False
+        except (ValueError, ZeroDivisionError):
+            return False
+    return bool(examples)
 
 
 def fingerprint(train: list[Example], val: list[Example]) -> str:
