@@ -117,7 +117,8 @@ def plot_loss(
     """Write loss against tokens (and eval loss, and the floor) to `path`, atomically; below
     it a panel for each of: the noise scale where the records carry noise_scale_tokens, the
     exact match where eval records carry it (--task sft on the built-in set), the
-    load-balancing loss and the largest expert load where they carry moe_lbl (an MoE model).
+    load-balancing loss and the largest expert load where they carry moe_lbl (an MoE model),
+    the rewards where they carry reward (--task grpo).
 
     Returns False, writing nothing, when matplotlib is not installed (an optional extra);
     raises DiskFull naming `path` when the disk has no room (the previous plot is kept).
@@ -134,7 +135,9 @@ def plot_loss(
     noise = [r for r in train if r.get("noise_scale_tokens") is not None]
     matches = [r for r in evals if r.get("exact_match") is not None]
     moe = [r for r in train if r.get("moe_lbl") is not None]
-    panels = [(p, rs) for p, rs in ((_plot_noise, noise), (_plot_exact_match, matches)) if rs]
+    rewards = [r for r in train if r.get("reward") is not None]
+    painters = ((_plot_noise, noise), (_plot_reward, rewards), (_plot_exact_match, matches))
+    panels = [(p, rs) for p, rs in painters if rs]
     panels += [(_plot_moe, moe)] if moe else []
     if panels:
         fig, axes = plt.subplots(
@@ -189,6 +192,19 @@ def _plot_noise(ax, records: list[dict]) -> None:
     )
     ax.set_xlabel("tokens")
     ax.set_ylabel("tokens per step")
+    ax.grid(alpha=0.3)
+    ax.legend()
+
+
+def _plot_reward(ax, records: list[dict]) -> None:
+    """--task grpo: each step's mean reward and each reward function's, against tokens."""
+    tokens = [r["tokens"] for r in records]
+    ax.plot(tokens, [r["reward"] for r in records], lw=1.2, color="tab:orange", label="reward")
+    for name in sorted(k for k in records[0] if k.startswith("reward_") and k != "reward_std"):
+        values = [r.get(name) for r in records]
+        ax.plot(tokens, values, lw=0.8, alpha=0.7, label=name.removeprefix("reward_"))
+    ax.set_xlabel("tokens (counted: the loss's count)")
+    ax.set_ylabel("reward (step mean)")
     ax.grid(alpha=0.3)
     ax.legend()
 
