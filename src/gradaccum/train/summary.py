@@ -94,8 +94,14 @@ def plot(records: list[dict], outputs: Outputs, entropy_floor: float | None, tit
 
 def plot_title(records: list[dict], run: Run) -> str:
     """The model and the batch: b x k x world, or a schedule's first and last batch; for
-    --task sft the examples and the mean counted tokens per step."""
+    --task sft the examples and the mean counted tokens per step; for --task grpo the prompts
+    and completions."""
     config, model_info, batch = run.config, run.model_info, run.batch
+    if config.task == "grpo":
+        return (
+            f"{model_info.source}, --task grpo, {grpo.prompts_per_step(config)} prompts x "
+            f"{config.num_generations} completions/step, --loss-type {config.loss_type}"
+        )
     if config.task == "sft":
         counted = [r["counted_tokens"] for r in records if "counted_tokens" in r] or [0]
         per_step = config.examples_per_step
