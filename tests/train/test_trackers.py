@@ -54,9 +54,22 @@ def environment():
     before = dict(os.environ)
     for name in UNSET:
         os.environ.pop(name, None)
+    # trackio reads TRACKIO_DIR when first imported; an earlier test's import (trl's
+    # GRPOTrainer imports it) would have fixed its folder: the run imports it anew, as the
+    # process of a `gradaccum train` does
+    earlier = _trackio_modules()
+    for name in earlier:
+        del sys.modules[name]
     yield
+    for name in _trackio_modules():
+        del sys.modules[name]
+    sys.modules.update(earlier)
     os.environ.clear()
     os.environ.update(before)
+
+
+def _trackio_modules() -> dict:
+    return {n: m for n, m in sys.modules.items() if n == "trackio" or n.startswith("trackio.")}
 
 
 @pytest.fixture(scope="module")
