@@ -34,7 +34,15 @@ import torch.nn.functional as F
 
 from gradaccum.utils.choices import LOSS_TYPES
 
-__all__ = ["LOSS_TYPES", "PolicyLoss", "counter", "group_advantages", "loss_sum", "window_count"]
+__all__ = [
+    "LOSS_TYPES",
+    "PolicyLoss",
+    "collate",
+    "counter",
+    "group_advantages",
+    "loss_sum",
+    "window_count",
+]
 
 
 def check_loss_type(loss_type: str, max_completion_length: int | None = None) -> None:
@@ -43,6 +51,20 @@ def check_loss_type(loss_type: str, max_completion_length: int | None = None) ->
         raise ValueError(f"loss_type {loss_type!r}: expected one of {', '.join(LOSS_TYPES)}")
     if loss_type == "dr_grpo" and not (max_completion_length and max_completion_length > 0):
         raise ValueError("loss_type 'dr_grpo' divides by max_completion_length: give it (> 0)")
+
+
+def collate(rows: list[tuple[list[int], list[int]]], advantages, pad_id: int) -> dict:
+    """A batch of (prompt tokens, completion tokens) rows, right-padded with `pad_id` to the
+    longest: input_ids (B, T), completion_mask (B, T-1) 1 where token t+1 is a completion
+    token, advantages (B,) float32 (a list or a tensor, one per row): `PolicyLoss`'s keys."""
+    width = max(len(p) + len(c) for p, c in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), width - 1, dtype=torch.long)
+    for r, (prompt, completion) in enumerate(rows):
+        input_ids[r, : len(prompt) + len(completion)] = torch.tensor(prompt + completion)
+        mask[r, len(prompt) - 1 : len(prompt) - 1 + len(completion)] = 1
+    return {"input_ids": input_ids, "completion_mask": mask,
+            "advantages": torch.as_tensor(advantages, dtype=torch.float32)}  # fmt: skip
 
 
 def group_advantages(

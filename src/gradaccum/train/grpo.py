@@ -226,7 +226,7 @@ class GRPOStream:
         precision = autocast_dtype(self.config.precision)
         for start in range(0, len(rows), self.micro_batch):
             part = rows[start : start + self.micro_batch]
-            batch = collate(part, [0.0] * len(part), self.tokenizer.pad_id)
+            batch = rl.collate(part, [0.0] * len(part), self.tokenizer.pad_id)
             with devices.autocast(self.device, precision):
                 ids = batch["input_ids"].to(self.device)
                 logprobs = rl.completion_logprobs(model, ids, self.config.temperature).float()
@@ -245,7 +245,7 @@ class GRPOStream:
         micro_batches = [self._micro_batch([rows[i] for i in s]) for s in shares]
         if not rows:  # no group on this rank: one row of no completion joins the collectives
             g = groups[0]
-            stand_in = collate([(g.prompt, g.completions[0])], [0.0], self.tokenizer.pad_id)
+            stand_in = rl.collate([(g.prompt, g.completions[0])], [0.0], self.tokenizer.pad_id)
             stand_in["completion_mask"].zero_()
             micro_batches = [stand_in]
         fields = window_fields(groups)
@@ -253,7 +253,7 @@ class GRPOStream:
 
     def _micro_batch(self, rows: list[tuple[Group, int]]) -> dict:
         pairs = [(g.prompt, g.completions[c]) for g, c in rows]
-        batch = collate(pairs, [g.advantages[c] for g, c in rows], self.tokenizer.pad_id)
+        batch = rl.collate(pairs, [g.advantages[c] for g, c in rows], self.tokenizer.pad_id)
         width = batch["input_ids"].shape[1] - 1
         for name in ("old_logprobs", "ref_logprobs"):
             if getattr(rows[0][0], name) is None:
@@ -300,19 +300,6 @@ class _Length:
         return len(self.prompt.ids)
 
     num_targets = 1
-
-
-def collate(rows: list[tuple[list[int], list[int]]], advantages: list[float], pad_id: int):
-    """A micro-batch of (prompt, completion) rows, right-padded to its longest: input_ids
-    (B, T), completion_mask (B, T-1) 1 where token t+1 is a completion token, advantages (B,)."""
-    width = max(len(p) + len(c) for p, c in rows)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(rows), width - 1, dtype=torch.long)
-    for r, (prompt, completion) in enumerate(rows):
-        input_ids[r, : len(prompt) + len(completion)] = torch.tensor(prompt + completion)
-        mask[r, len(prompt) - 1 : len(prompt) - 1 + len(completion)] = 1
-    return {"input_ids": input_ids, "completion_mask": mask,
-            "advantages": torch.tensor(advantages, dtype=torch.float32)}  # fmt: skip
 
 
 def window_fields(groups: list[Group]) -> dict:

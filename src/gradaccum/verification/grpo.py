@@ -193,17 +193,12 @@ def sample_window(model, tokenizer, prompts: list[list[int]], rl_args, sizes: li
     sampled = [len(c) for c in completions]
     lengths = spread_lengths(sampled, seed)
     rows = [
-        prompts[i // G] + c[:n] for i, (c, n) in enumerate(zip(completions, lengths, strict=True))
+        (prompts[i // G], c[:n]) for i, (c, n) in enumerate(zip(completions, lengths, strict=True))
     ]
-    ids = torch.full((len(rows), max(map(len, rows))), tokenizer.pad_id, dtype=torch.long)
-    mask = torch.zeros(ids.shape[0], ids.shape[1] - 1)
-    for i, (row, n) in enumerate(zip(rows, lengths, strict=True)):
-        ids[i, : len(row)] = torch.tensor(row)
-        mask[i, len(row) - n - 1 : len(row) - 1] = 1  # token t+1 is a completion token
     rewards = torch.rand(len(rows), generator=torch.Generator().manual_seed(seed))
     scale = rl_args.scale_rewards == "group"
-    batch = {"input_ids": ids, "completion_mask": mask,
-             "advantages": rl.group_advantages(rewards, G, scale)}  # fmt: skip
+    batch = rl.collate(rows, rl.group_advantages(rewards, G, scale), tokenizer.pad_id)
+    ids = batch["input_ids"]
     if rl_args.beta:
         batch["ref_logprobs"] = _reference_logprobs(model, ids, rl_args.temperature, seed)
     return GRPOWindow(

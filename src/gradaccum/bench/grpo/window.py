@@ -111,18 +111,9 @@ def ours_micro_batches(window: Window, micro_batch: int, device) -> list[dict]:
 
 
 def _ours_batch(window: Window, rows, device) -> dict:
-    seqs = [window.prompts[i // window.num_generations] + window.completions[i] for i in rows]
-    width = max(len(s) for s in seqs)
-    input_ids = torch.full((len(seqs), width), BYTE_EOS, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width - 1), dtype=torch.long)
-    for r, seq in enumerate(seqs):
-        input_ids[r, : len(seq)] = torch.tensor(seq)
-        mask[r, PROMPT_TOKENS - 1 : len(seq) - 1] = 1
-    return {
-        "input_ids": input_ids.to(device),
-        "completion_mask": mask.to(device),
-        "advantages": window.advantages[list(rows)].float().to(device),
-    }
+    pairs = [(window.prompts[i // window.num_generations], window.completions[i]) for i in rows]
+    batch = rl.collate(pairs, window.advantages[list(rows)], BYTE_EOS)
+    return {key: value.to(device) for key, value in batch.items()}
 
 
 def trl_micro_batches(window: Window, micro_batch: int, device) -> list[dict]:
