@@ -53,14 +53,32 @@ def _join_negative_values(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    process = argv is None and threading.current_thread() is threading.main_thread()
     try:
-        return _main(argv)
+        code = _main(argv)
     finally:
-        if argv is None and threading.current_thread() is threading.main_thread():
+        if process:
             # The command is done and the process about to exit: a Ctrl-C now would land in
             # the interpreter's shutdown (atexit callbacks) as a traceback. Nothing is left
             # to stop.
             signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if process and code == 130:
+        _exit_now(code)
+    return code
+
+
+def _exit_now(code: int) -> None:
+    """End an interrupted command's process without the interpreter's teardown. A second
+    Ctrl-C raises KeyboardInterrupt wherever it lands, inside a library's C++ code too, and
+    what that leaves behind can abort the teardown ("Fatal Python error: PyThreadState_Get
+    ... finalizing", exit -6 instead of 130). Everything the command wrote is closed by then
+    (checkpoints, metrics, trackers, the lock): only the output streams are flushed."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader gone, a stream closed
+            pass
+    os._exit(code)
 
 
 def _main(argv: list[str] | None) -> int:
