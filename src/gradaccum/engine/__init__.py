@@ -13,7 +13,6 @@
   also `gradaccum.moe`); not imported here, it loads the models' router code.
 """
 
-
 from gradaccum.utils.lazy import lazy_exports
 
 # imported on first use: the package's settings module loads without torch

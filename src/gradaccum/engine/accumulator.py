@@ -11,7 +11,8 @@ The rules it keeps (docs/design.md, "Numerical rules" and "Engine rules"):
   learnable temperature in loss_fn): cleared, buffered, corrected, clipped, and under data
   parallelism all-reduced by the engine where no wrapper syncs it;
 - low-precision parameters add each gradient into an fp32 buffer as it is produced
-  (`grad_store.GradStore`);
+  (`grad_store.GradStore`); under FSDP2 every sync policy (`sync=`: "window", "micro",
+  "hsdp") sums the window in fp32 too (`parallel.fsdp2`);
 - a non-finite loss or gradient anywhere in the window skips the whole window;
 - a window runs exactly its micro-steps and is used once (`window.Window`);
 - nothing per micro-batch outlives its micro-step: host memory does not grow with k.
@@ -33,6 +34,7 @@ from gradaccum.engine.noise import NoiseScale
 from gradaccum.engine.precision import LossScaler, autocast_dtype, is_low_precision
 from gradaccum.engine.window import StepResult, Window, backward_scale, repeated_batch
 from gradaccum.parallel import backends, collectives
+from gradaccum.parallel.fsdp2 import SYNC_POLICIES
 from gradaccum.utils.choices import PRECISIONS
 
 __all__ = ["Accumulator", "StepResult", "Window", "backward_scale", "count_labels", "windows"]
@@ -104,8 +106,16 @@ class Accumulator:
       to study the error it causes).
     master_weights: for bf16/fp16 parameters, keep fp32 copies that the optimizer updates (the
       optimizer is re-pointed at them, so it must not have state yet).
-    sync_every_micro_batch: reduce gradients after every micro-batch (FSDP2: keeps gradients
-      sharded, k times the traffic); default is one sync per window.
+    sync: how the window's gradient meets across ranks (docs/distributed.md, "Sync policies"):
+      "window" (default): no sync until the window's last micro-batch, one reduce per window,
+        the whole gradient held per rank until then (DDP, FSDP2, one device);
+      "micro": FSDP2 reduce-scatters after every micro-batch (k times the traffic, gradients
+        held sharded); each unit's reduced shard is summed in fp32 whatever the parameters'
+        dtype, and the optimizer sees that sum. Under DDP: an all-reduce after every
+        micro-batch, in the parameters' dtype (refused for bf16/fp16 parameters);
+      "hsdp": FSDP2 over a 2-D DeviceMesh (replicate, shard): reduce-scatter within the shard
+        group after every micro-batch, all-reduce across replicas once per window.
+    sync_every_micro_batch: True is sync="micro" (kept for existing callers).
     noise_scale: estimate the gradient noise scale (the critical batch size) from each
       micro-batch's own gradient as backward produces it (`gradaccum.engine.noise`): one squared
       norm per parameter and micro-batch, reported in `StepResult.noise`. Needs the token
@@ -129,6 +139,7 @@ class Accumulator:
         normalize: str = "tokens",
         count_tokens: Callable | str | None = "auto",
         ignore_index: int = -100,
+        sync: str = "window",
         sync_every_micro_batch: bool = False,
         loss_scaler: LossScaler | None = None,
         group=None,
@@ -142,7 +153,9 @@ class Accumulator:
         self.max_grad_norm = max_grad_norm
         self.precision = precision
         self.normalize = normalize
-        self.sync_every_micro_batch = sync_every_micro_batch
+        self.sync = _sync_policy(sync, sync_every_micro_batch)
+        """The sync policy: "window", "micro" or "hsdp"."""
+        self.sync_every_micro_batch = self.sync == "micro"
         self.count_tokens = _auto_count(ignore_index) if count_tokens == "auto" else count_tokens
         self.scaler = loss_scaler or LossScaler(enabled=precision == "fp16")
         self.autocast_dtype = autocast_dtype(precision)
@@ -157,12 +170,14 @@ class Accumulator:
         self.dp = backends.data_parallel(model, group)
         """The model's data-parallel backend, chosen once: its wrapper, group and size, and
         how it syncs (`parallel.backends.Backend`)."""
+        self.dp.set_sync_policy(self.sync)
         self.extras = _outside_model(optimizer, params)
         """(name, parameter) of each trainable parameter the optimizer holds and the model
         does not, named by its place in the optimizer (`param_groups[g][i]`)."""
         extras = [p for _, p in self.extras]
         params += extras
-        _refuse_low_precision_sums(self.dp, params, accum_dtype, sync_every_micro_batch)
+        named = "sync_every_micro_batch=True" if sync_every_micro_batch else f"sync={self.sync!r}"
+        _refuse_low_precision_sums(self.dp, params, accum_dtype, self.sync, named)
         if self.dp.averages_over_ranks and self.dp.world > 1:
             collectives.broadcast_from_first(extras, self.dp.group)  # replicas start alike
             self.dp.reduce_unused_parameters()
@@ -396,33 +411,39 @@ def _outside_model(optimizer, model_params) -> list[tuple[str, torch.nn.Paramete
     return out
 
 
-def _refuse_low_precision_sums(dp, params, accum_dtype, sync_every_micro_batch) -> None:
+def _sync_policy(sync: str, every_micro_batch: bool) -> str:
+    """The sync policy from `sync` and the older `sync_every_micro_batch` (True: "micro")."""
+    if sync not in SYNC_POLICIES:
+        raise ValueError(f"sync {sync!r}: expected one of {', '.join(SYNC_POLICIES)}")
+    if every_micro_batch and sync == "hsdp":
+        raise ValueError(
+            f"sync_every_micro_batch=True is sync='micro', which contradicts sync={sync!r}: "
+            "pass sync alone"
+        )
+    return "micro" if every_micro_batch else sync
+
+
+def _refuse_low_precision_sums(dp, params, accum_dtype, sync: str, named: str) -> None:
     """Refuse the combinations whose window sum would silently be added in bf16/fp16 although
     fp32 accumulation (`accum_dtype`) was asked for. Asked of the backend: the engine syncs
-    its fp32 buffers itself under DDP only, and only FSDP2 shards gradients and adds them in
-    a dtype of its own."""
+    its fp32 buffers itself under DDP only, and only FSDP2 shards gradients and reduces
+    them in a dtype of its own. `named`: the argument as the caller gave it."""
     if is_low_precision(accum_dtype):
         return
     low = next((p.dtype for p in params if is_low_precision(p.dtype)), None)
-    if dp.buffers_synced_by_engine and low is not None and sync_every_micro_batch:
+    if dp.buffers_synced_by_engine and low is not None and sync == "micro":
         raise ValueError(
-            f"sync_every_micro_batch=True with DDP and {low} parameters: DDP would all-reduce "
-            f"every micro-batch's gradient in {low}, while the engine adds the window in fp32 "
-            "and all-reduces that sum once; drop sync_every_micro_batch (or keep fp32 "
-            "parameters)"
+            f"{named} with DDP and {low} parameters: DDP would all-reduce every "
+            f"micro-batch's gradient in {low}, while the engine adds the window in fp32 and "
+            "all-reduces that sum once; use sync='window' (or keep fp32 parameters, or shard "
+            "with FSDP2, whose sync='micro' sums in fp32)"
         )
     summed_in = dp.accumulation_dtype()
     if summed_in is not None and is_low_precision(summed_in):
+        what = "add the window's" if sync == "window" else "reduce each of the window's"
         raise ValueError(
-            f"FSDP2 would add the window's micro-batch gradients in {summed_in}: shard with "
+            f"FSDP2 would {what} micro-batch gradients in {summed_in}: shard with "
             "fully_shard(..., mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))"
-        )
-    if dp.shards_gradients and low is not None and sync_every_micro_batch:
-        raise ValueError(
-            f"sync_every_micro_batch=True with FSDP2 and {low} parameters: each micro-batch's "
-            f"reduced shard would be added to the last in {low}; drop sync_every_micro_batch "
-            "(or keep fp32 parameters with MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
-            "reduce_dtype=torch.float32))"
         )
 
 

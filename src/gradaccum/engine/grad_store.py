@@ -194,22 +194,28 @@ class GradStore:
         iteration state too (`Backend.drop_unreduced_grads`)."""
         self._dp.drop_unreduced_grads(reset)
 
-    def traffic(self) -> tuple[int, int]:
-        """(gradient collectives, bytes) launched so far: the counter's running totals, 0 for
-        manual sync (counted per window by `window_traffic`), -1 where not counted."""
+    def traffic(self) -> tuple[int, int, int, int]:
+        """(gradient collectives, bytes, of them HSDP's all-reduces across replicas, their
+        bytes) launched so far: the counter's running totals, 0 for manual sync (counted per
+        window by `window_traffic`), -1 where not counted."""
         if self._traffic is not None:
-            return self._traffic.collectives, self._traffic.bytes
-        return (-1, -1) if self._dp.averages_over_ranks and not self.manual_sync else (0, 0)
+            t = self._traffic
+            return t.collectives, t.bytes, t.replica_collectives, t.replica_bytes
+        counted = not (self._dp.averages_over_ranks and not self.manual_sync)
+        return (0, 0, 0, 0) if counted else (-1, -1, -1, -1)
 
-    def window_traffic(self, start: tuple[int, int]) -> tuple[int, int]:
-        """(collectives, bytes) of gradient this rank handed to collectives since `start`."""
+    def window_traffic(self, start: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
+        """What `traffic` counts, since `start`: of this window, plus the store's own
+        all-reduce of parameters outside the model (within one node's replica group it is
+        not: it runs over the whole data-parallel group and is counted apart from HSDP's)."""
         if self.manual_sync:  # DDP never syncs: the store's one all-reduce is the traffic
-            return 1, self._flat.numel() * self._flat.element_size()
-        launched, nbytes = self.traffic()
-        if launched < 0 or not self._dp.averages_over_ranks:
-            return launched, nbytes
+            return 1, self._flat.numel() * self._flat.element_size(), 0, 0
+        now = self.traffic()
+        if now[0] < 0 or not self._dp.averages_over_ranks:
+            return now
         own_launched, own_bytes = self._own_traffic
-        return launched - start[0] + own_launched, nbytes - start[1] + own_bytes
+        delta = [a - b for a, b in zip(now, start, strict=True)]
+        return delta[0] + own_launched, delta[1] + own_bytes, delta[2], delta[3]
 
     # ---- checkpointing --------------------------------------------------------------------
 

@@ -68,12 +68,22 @@ class StepResult:
     """Peak device memory since the window began; None where the device does not track it."""
     grad_collectives: int = 0
     """Gradient collectives launched in the window on this rank: DDP bucket all-reduces,
-    FSDP2 reduce-scatters, or the engine's own all-reduce of its fp32 buffer (bf16/fp16
-    parameters under DDP) and of parameters outside the model. 0 on one device; -1 when they
-    could not be counted (a DDP model that already had a communication hook: see
+    FSDP2 reduce-scatters (one per `fully_shard` unit per sync: per window under
+    sync="window", per micro-batch under "micro" and "hsdp") and HSDP's all-reduces across
+    replicas, or the engine's own all-reduce of its fp32 buffer (bf16/fp16 parameters under
+    DDP) and of parameters outside the model. 0 on one device; -1 when they could not be
+    counted (a DDP model that already had a communication hook: see
     `parallel.backends.count_grad_traffic`)."""
     grad_bytes: int = 0
-    """Bytes of gradient this rank handed to those collectives (-1 when not counted)."""
+    """Bytes of gradient this rank handed to those collectives (-1 when not counted): per
+    `fully_shard` unit and reduce-scatter, its whole padded gradient in FSDP2's reduce dtype;
+    per HSDP all-reduce, its reduced shard."""
+    grad_replica_collectives: int = 0
+    """Of `grad_collectives`, HSDP's all-reduces across replicas (a 2-D mesh; 0 otherwise,
+    -1 when not counted)."""
+    grad_replica_bytes: int = 0
+    """Of `grad_bytes`, those handed to HSDP's all-reduces across replicas (the inter-node
+    part where the replica dimension spans nodes)."""
     noise: NoiseEstimate | None = None
     """The gradient noise scale after this window (`Accumulator(noise_scale=True)`); None
     when off, or before the first window of at least 2 micro-batches over all ranks."""
@@ -247,8 +257,9 @@ class Window:
 
     @contextmanager
     def micro_step(self):
-        """Context for one micro-batch's forward and backward: autocast, and no gradient sync
-        except on the window's last micro-batch. Refused past the window's micro-steps
+        """Context for one micro-batch's forward and backward: autocast, and the gradient sync
+        of the Accumulator's policy (`sync="window"`: none except on the window's last
+        micro-batch; `Backend.micro_step_sync`). Refused past the window's micro-steps
         (before the forward); a body that raises drops the window."""
         self._require_open("micro_step()")
         if self._index >= self.micro_steps:
@@ -258,11 +269,14 @@ class Window:
             )
         acc = self.acc
         last = self._index == self.micro_steps - 1
-        skip_sync = acc.store.manual_sync or not (last or acc.sync_every_micro_batch)
+        if acc.store.manual_sync:  # the store all-reduces its fp32 buffer itself
+            sync = acc.dp.no_backward_sync()
+        else:
+            sync = acc.dp.micro_step_sync(acc.sync, last)
         self._in_micro, self._ran_backward = True, False
         try:
             with ExitStack() as stack:
-                stack.enter_context(acc.dp.no_backward_sync(enabled=skip_sync))
+                stack.enter_context(sync)
                 stack.enter_context(devices.autocast(acc.device, acc.autocast_dtype))
                 yield
         except BaseException:
@@ -490,7 +504,9 @@ class Window:
             acc.scheduler.step()
 
     def _result(self, measured: _Measured) -> StepResult:
-        collectives, nbytes = self.acc.store.window_traffic(self._traffic_start)
+        collectives, nbytes, replica_collectives, replica_bytes = self.acc.store.window_traffic(
+            self._traffic_start
+        )
         return StepResult(
             loss=measured.loss,
             tokens=int(round(measured.tokens)),
@@ -504,6 +520,8 @@ class Window:
             peak_memory_bytes=devices.peak_memory_bytes(self.acc.device),
             grad_collectives=collectives,
             grad_bytes=nbytes,
+            grad_replica_collectives=replica_collectives,
+            grad_replica_bytes=replica_bytes,
             noise=None if self.acc.noise is None else self.acc.noise.last,
             aux_loss=measured.aux,
         )

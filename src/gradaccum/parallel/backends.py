@@ -50,6 +50,14 @@ class Backend(Protocol):
         """A context in which backward adds into local gradients without communicating
         (`enabled=False`: a null context)."""
 
+    def set_sync_policy(self, policy: str) -> None:
+        """Check that the wrapper can run the sync policy `policy` ("window", "micro",
+        "hsdp": `Accumulator(sync=)`) and prepare it; ValueError saying what is needed."""
+
+    def micro_step_sync(self, policy: str, last: bool) -> AbstractContextManager:
+        """A context for one micro-step's backward under `policy`; `last`: the window's last
+        micro-step."""
+
     def accumulation_dtype(self) -> torch.dtype | None:
         """The dtype the wrapper adds a window's micro-batch gradients in where it does so
         itself (FSDP2's reduce dtype); None where autograd or the engine does."""
@@ -80,6 +88,18 @@ class SingleDevice:
         self.world = 1
 
     def no_backward_sync(self, enabled: bool = True) -> AbstractContextManager:
+        return nullcontext()
+
+    def set_sync_policy(self, policy: str) -> None:
+        if policy != "window":
+            mesh = " over a 2-D DeviceMesh (replicate, shard)" if policy == "hsdp" else ""
+            raise ValueError(
+                f"sync={policy!r} needs a model sharded with FSDP2 (fully_shard{mesh}); "
+                f"this {type(self.wrapper).__name__} has no data-parallel wrapper, so there "
+                "is nothing to sync: use sync='window'"
+            )
+
+    def micro_step_sync(self, policy: str, last: bool) -> AbstractContextManager:
         return nullcontext()
 
     def accumulation_dtype(self) -> torch.dtype | None:
@@ -115,6 +135,21 @@ class DDP:
     def no_backward_sync(self, enabled: bool = True) -> AbstractContextManager:
         """DDP's `no_sync()`."""
         return self.wrapper.no_sync() if enabled else nullcontext()
+
+    def set_sync_policy(self, policy: str) -> None:
+        """DDP runs "window" (one all-reduce per window) and "micro" (an all-reduce of the
+        whole gradient after every micro-batch, in the parameters' dtype: no memory saved);
+        "hsdp" needs FSDP2."""
+        if policy == "hsdp":
+            raise ValueError(
+                "sync='hsdp' needs a model sharded with FSDP2's fully_shard over a 2-D "
+                "DeviceMesh (replicate, shard), not DistributedDataParallel: shard it, or use "
+                "sync='window' under DDP"
+            )
+
+    def micro_step_sync(self, policy: str, last: bool) -> AbstractContextManager:
+        """`no_sync()` on every micro-step but the last under "window"; none under "micro"."""
+        return self.no_backward_sync(enabled=policy == "window" and not last)
 
     def accumulation_dtype(self) -> torch.dtype | None:
         return None
@@ -205,7 +240,8 @@ def count_grad_traffic(model: torch.nn.Module, hook=None, state=None) -> GradTra
     and its state here instead of calling `register_comm_hook`, before building the
     Accumulator; bytes are then those handed to your hook. A model that already has a hook
     returns None. FSDP2: every sharded module's reduce-scatter is wrapped to count, then
-    reduce-scatter as before (HSDP's all-reduce across replicas is not counted); None when
-    a module has several parameter groups (per-parameter meshes).
+    reduce-scatter as before, and on a 2-D mesh (HSDP) each all-reduce across replicas is
+    counted too (`GradTraffic.replica_bytes`); None when a module has several parameter
+    groups (per-parameter meshes).
     """
     return _backend(unwrap_compiled(model), find_group=False).count_traffic(hook, state)

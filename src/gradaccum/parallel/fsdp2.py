@@ -1,11 +1,25 @@
 """The FSDP2 backend (`fully_shard`): the one module that reads FSDP2's internals.
 
 FSDP2 has public calls for what the engine changes (`set_requires_gradient_sync`,
-`set_reduce_scatter_unused_params`, `set_custom_reduce_scatter`, `reset_iter_state`) but none
-for four things the engine must read or clear: its device mesh, its mixed-precision policy,
-the reduce-scatter comm in use, and the gradients it keeps unreduced across backwards run
-without sync. Each of those is read by one private method of `FSDP2` below, whose docstring
-names the private field and what it falls back to where torch's internals differ.
+`set_requires_all_reduce`, `set_reduce_scatter_unused_params`, `set_custom_reduce_scatter`,
+`set_all_reduce_hook`, `reset_iter_state`) but none for what the engine must read or clear:
+its device mesh, its mixed-precision policy, the reduce-scatter comm and all-reduce hook in
+use, the dtype of a unit's sharded parameters, and the gradients it keeps unreduced across
+backwards run without sync (HSDP's partial sums included). Each of those is read by one
+private function or method below, whose docstring names the private field and what it falls
+back to where torch's internals differ.
+
+The sync policies (`Accumulator(sync=...)`, docs/distributed.md):
+- "window": `set_requires_gradient_sync(False)` until the window's last micro-batch; FSDP2
+  adds the unsharded gradients in its reduce dtype and reduce-scatters once;
+- "micro": reduce-scatter after every micro-batch. Each unit's reduced shard is summed over
+  the window in fp32: by FSDP2 itself in the sharded `.grad` where the parameters are fp32,
+  else (bf16/fp16 parameters) by `ReducedShardHook` in an fp32 shard of the engine's own,
+  handed to FSDP2 on the last micro-batch, so the parameters' gradient is rounded once;
+- "hsdp" (a 2-D mesh, replicas x shards): reduce-scatter within the shard group after every
+  micro-batch, `set_requires_all_reduce(False)` until the last, on which FSDP2 all-reduces
+  the sum across replicas once; FSDP2 keeps that partial sum in its reduce dtype (fp32 where
+  the engine accepts bf16 parameters).
 """
 
 from __future__ import annotations
@@ -17,6 +31,9 @@ import torch
 from gradaccum.parallel import traffic
 from gradaccum.parallel.collectives import world_size
 from gradaccum.parallel.traffic import GradTraffic
+
+SYNC_POLICIES = ("window", "micro", "hsdp")
+_LOW = (torch.bfloat16, torch.float16)
 
 
 def is_fsdp2_module(module: torch.nn.Module) -> bool:
@@ -55,6 +72,59 @@ class FSDP2:
             f"FSDP2 over a {mesh.ndim}-D mesh of {mesh.size()} of {world_size()} ranks: pass its "
             "data-parallel process group as Accumulator(..., group=)"
         )
+
+    def set_sync_policy(self, policy: str) -> None:
+        """Check that this model can run `policy` and prepare it: "hsdp" needs a 2-D mesh;
+        "micro" puts `ReducedShardHook` on every unit with bf16/fp16 parameters (and takes it
+        off for the other policies). ValueError naming what is needed otherwise."""
+        mesh = self._mesh()
+        if policy == "hsdp" and (mesh is None or mesh.ndim != 2):
+            shape = "no mesh found" if mesh is None else f"a {mesh.ndim}-D mesh of {mesh.size()}"
+            raise ValueError(
+                f"sync='hsdp' needs fully_shard over a 2-D DeviceMesh (replicate, shard), and "
+                f"this model has {shape} ranks: build it with init_device_mesh(device_type, "
+                "(replicas, shards), mesh_dim_names=('replicate', 'shard')) and pass "
+                "fully_shard(..., mesh=mesh), or use sync='micro'"
+            )
+        for module in self.modules:
+            low = _stored_dtype(module) in _LOW
+            hook = reduced_shard_hook(module, install=policy == "micro" and low)
+            if hook is not None:
+                hook.hold = policy == "micro" and low
+            elif policy == "micro" and low:
+                raise ValueError(
+                    f"sync='micro' with {_stored_dtype(module)} parameters needs FSDP2's "
+                    "set_all_reduce_hook on one parameter group per fully_shard unit, which "
+                    f"{type(module).__name__} does not take: keep fp32 parameters with "
+                    "MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
+                    "reduce_dtype=torch.float32), or use sync='window'"
+                )
+
+    @contextmanager
+    def micro_step_sync(self, policy: str, last: bool):
+        """The sync of one micro-step under `policy` (`last`: the window's last micro-step):
+        "window" skips the reduce-scatter except on the last, "hsdp" the all-reduce across
+        replicas; "micro" reduce-scatters every time and tells each held unit
+        (`ReducedShardHook`) whether to hand its fp32 sum over. Everything is turned back on
+        when the context ends."""
+        hooks = [h for h in map(reduced_shard_hook, self.modules) if h is not None]
+        for hook in hooks:
+            hook.last = last
+        try:
+            if policy == "window" and not last:
+                with self.no_backward_sync():
+                    yield
+            elif policy == "hsdp" and not last:
+                self.wrapper.set_requires_all_reduce(False)
+                try:
+                    yield
+                finally:
+                    self.wrapper.set_requires_all_reduce(True)
+            else:
+                yield
+        finally:
+            for hook in hooks:
+                hook.last = True
 
     @contextmanager
     def no_backward_sync(self, enabled: bool = True):
@@ -107,6 +177,9 @@ class FSDP2:
         `reset_iter_state` (for a window abandoned after a forward or backward that raised)."""
         for module in self.modules:
             self._drop_unreduced(module)
+            hook = reduced_shard_hook(module)
+            if hook is not None:
+                hook.partial = None
         if reset and self.modules and hasattr(self.modules[0], "reset_iter_state"):
             try:
                 self.modules[0].reset_iter_state()
@@ -115,10 +188,10 @@ class FSDP2:
 
     def count_traffic(self, hook=None, state=None) -> GradTraffic | None:
         """Count every sharded module's reduce-scatters: each module's comm is replaced by a
-        counting one around the comm it used (`_reduce_scatter_comm`). HSDP's all-reduce
-        across replicas is not counted; None when a module has several parameter groups
-        (per-parameter meshes: FSDP2 takes no custom comm there). `hook`, `state`: DDP's only,
-        ignored."""
+        counting one around the comm it used (`_reduce_scatter_comm`); on a 2-D mesh (HSDP)
+        its all-reduces across replicas too, by the `ReducedShardHook` that FSDP2 calls
+        right after each. None when a module has several parameter groups (per-parameter
+        meshes: FSDP2 takes no custom comm there). `hook`, `state`: DDP's only, ignored."""
         return traffic.shared_counter(self.wrapper, self._install_counter)
 
     def _install_counter(self, counter: GradTraffic) -> bool:
@@ -127,6 +200,11 @@ class FSDP2:
             for module in sharded:
                 inner = self._reduce_scatter_comm(module)
                 module.set_custom_reduce_scatter(traffic.CountedReduceScatter(counter, inner))
+                if _is_hsdp(module):
+                    hook = reduced_shard_hook(module, install=True)
+                    if hook is None:
+                        return False
+                    hook.counter = counter
         except ValueError:  # several parameter groups in one module: no custom comm
             return False
         return True
@@ -168,7 +246,8 @@ class FSDP2:
     @staticmethod
     def _drop_unreduced(module: torch.nn.Module) -> None:
         """Clear the unreduced gradients of `module`'s parameters. Reads
-        `_get_fsdp_state()._fsdp_param_groups`, and of each group's `fsdp_params` the
+        `_get_fsdp_state()._fsdp_param_groups`: of each group its `_partial_reduce_output`
+        (HSDP's shards summed without all-reduce, set to None), and of its `fsdp_params` the
         `unsharded_accumulated_grad` (set to None) and `_unsharded_param` (its `.grad` set to
         None): FSDP2 has no public call for it. Does nothing where its internals differ."""
         try:
@@ -176,9 +255,89 @@ class FSDP2:
         except AttributeError:
             return
         for group in groups:
+            if getattr(group, "_partial_reduce_output", None) is not None:
+                group._partial_reduce_output = None  # HSDP's sum of shards not yet all-reduced
             for fsdp_param in getattr(group, "fsdp_params", ()):
                 if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None:
                     fsdp_param.unsharded_accumulated_grad = None
                 unsharded = getattr(fsdp_param, "_unsharded_param", None)
                 if unsharded is not None:
                     unsharded.grad = None
+
+
+class ReducedShardHook:
+    """FSDP2's all-reduce hook on one `fully_shard` unit (`set_all_reduce_hook`), called with
+    the unit's flat reduced gradient shard in its reduce dtype: after the reduce-scatter (and
+    after HSDP's all-reduce across replicas), before FSDP2 divides it, casts it to the
+    parameters' dtype and adds it to their sharded `.grad`. It runs the hook it replaced
+    (`inner`) first, then:
+    - counts HSDP's all-reduce that just ran (`counter`, set on a 2-D mesh only);
+    - with `hold` (sync="micro", bf16/fp16 parameters): on every micro-step but the last
+      (`last`), adds the shard into `partial`, an fp32 shard of the engine's own, and hands
+      FSDP2 zeros; on the last, hands it shard + partial. The window's sum is then made in
+      fp32 and rounded to the parameters' dtype once, as under sync="window"; FSDP2's
+      division by the world size is linear, so dividing the sum once is the same.
+    """
+
+    def __init__(self, inner=None):
+        self.inner = inner
+        self.counter: GradTraffic | None = None
+        self.hold = False
+        self.last = True
+        self.partial: torch.Tensor | None = None
+
+    def __call__(self, reduce_output: torch.Tensor) -> None:
+        if self.inner is not None:
+            self.inner(reduce_output)
+        if self.counter is not None:
+            self.counter.record(reduce_output, across_replicas=True)
+        if not self.hold:
+            return
+        if not self.last:
+            if self.partial is None:
+                dtype = torch.promote_types(reduce_output.dtype, torch.float32)
+                self.partial = reduce_output.to(dtype, copy=True)
+            else:
+                self.partial.add_(reduce_output)
+            reduce_output.zero_()
+        elif self.partial is not None:
+            reduce_output.add_(self.partial)
+            self.partial = None
+
+
+def reduced_shard_hook(module: torch.nn.Module, install: bool = False) -> ReducedShardHook | None:
+    """The `ReducedShardHook` on `module` (a `fully_shard` unit), installed around the hook it
+    had when `install`; None when it has none, or where it cannot have one (several
+    parameter groups, a torch without `set_all_reduce_hook`). Reads the unit's
+    `_get_fsdp_state()._fsdp_param_groups[0]._all_reduce_hook` (no public getter)."""
+    try:
+        groups = module._get_fsdp_state()._fsdp_param_groups
+        current = groups[0]._all_reduce_hook if len(groups) == 1 else None
+    except (AttributeError, IndexError, TypeError):
+        return None
+    if isinstance(current, ReducedShardHook) or not install:
+        return current if isinstance(current, ReducedShardHook) else None
+    if len(groups) != 1 or not hasattr(module, "set_all_reduce_hook"):
+        return None
+    hook = ReducedShardHook(current)
+    module.set_all_reduce_hook(hook)
+    return hook
+
+
+def _is_hsdp(module: torch.nn.Module) -> bool:
+    """Whether `module`'s parameter group is sharded over a 2-D mesh (HSDP). Reads
+    `_get_fsdp_state()._fsdp_param_groups[0].mesh_info.mesh`; False where that differs."""
+    try:
+        return module._get_fsdp_state()._fsdp_param_groups[0].mesh_info.mesh.ndim == 2
+    except (AttributeError, IndexError, TypeError):
+        return False
+
+
+def _stored_dtype(module: torch.nn.Module) -> torch.dtype | None:
+    """The dtype of the sharded parameters `module` (a `fully_shard` unit) holds, which
+    FSDP2 casts each reduced shard to. Reads `_get_fsdp_state()._fsdp_param_groups[0]
+    .fsdp_params[0].sharded_param`; None where that differs or the unit holds none."""
+    try:
+        return module._get_fsdp_state()._fsdp_param_groups[0].fsdp_params[0].sharded_param.dtype
+    except (AttributeError, IndexError, TypeError):
+        return None

@@ -24,17 +24,32 @@ import torch.distributed as dist
 
 @dataclass
 class GradTraffic:
-    """Gradient collectives a DDP or FSDP2 model launched, counted as they are launched."""
+    """Gradient collectives a DDP or FSDP2 model launched, counted as they are launched.
+
+    Bytes are those this rank hands to each collective (its input tensor): a DDP bucket, the
+    whole padded gradient of a `fully_shard` unit for a reduce-scatter (in FSDP2's reduce
+    dtype), that unit's reduced shard for HSDP's all-reduce across replicas. A ring puts about
+    (n - 1) / n of a reduce-scatter's input and 2 (n - 1) / n of an all-reduce's on the wire."""
 
     collectives: int = 0
-    """DDP bucket all-reduces or FSDP2 reduce-scatters so far."""
+    """DDP bucket all-reduces, FSDP2 reduce-scatters and HSDP all-reduces across replicas so
+    far."""
     bytes: int = 0
-    """Bytes of gradient this rank handed to them (the input of each collective; a ring
-    all-reduce puts about twice that on the wire)."""
+    """Bytes of gradient this rank handed to them (the input of each collective)."""
+    replica_collectives: int = 0
+    """Of `collectives`, HSDP's all-reduces across replicas (inter-node when the replica
+    dimension spans nodes)."""
+    replica_bytes: int = 0
+    """Of `bytes`, those handed to HSDP's all-reduces across replicas."""
 
-    def record(self, tensor: torch.Tensor) -> None:
+    def record(self, tensor: torch.Tensor, across_replicas: bool = False) -> None:
+        """Count one collective whose input is `tensor`; `across_replicas`: HSDP's all-reduce."""
+        nbytes = tensor.numel() * tensor.element_size()
         self.collectives += 1
-        self.bytes += tensor.numel() * tensor.element_size()
+        self.bytes += nbytes
+        if across_replicas:
+            self.replica_collectives += 1
+            self.replica_bytes += nbytes
 
 
 # The wrapper's counter, for as long as the wrapper lives (see the module's docstring).
