@@ -60,7 +60,7 @@ def memory_report(i, shape, params, held, setup, batch, fit_cap, global_seq, war
     if i.device_memory and (fit_cap == 0 or memory.fits is not None):
         per_seq = mem.activation_bytes(shape, 1, i.seq_len, setup)[0] if fit_cap == 0 else None
         warnings += _fit_warnings(
-            est, i.device_memory, batch, fit_cap, setup.world_size, global_seq, per_seq, setup
+            est, i.device_memory, batch, fit_cap, i.gpus or 1, global_seq, per_seq, setup
         )
     return memory
 
@@ -147,7 +147,7 @@ def memory_notes(i, shape, params, trainable, setup, world, micro_batch, warning
         warnings.append(
             f"--zero {setup.zero} with one gradient sync per window holds the whole accumulated "
             f"gradient ({_gb(whole):,.2f} GB) on each device until the window's end; "
-            f"--sync-every-micro-batch keeps it sharded ({_gb(-(-whole // world)):,.2f} GB) "
+            f"--sync micro keeps it sharded ({_gb(-(-whole // world)):,.2f} GB) "
             f"for k x the gradient traffic"
         )
     if setup.zero and world == 1:

@@ -20,13 +20,14 @@ from gradaccum.plan.settings import (
     PlanTimeSettings,
 )
 from gradaccum.plan.sizes import fmt_count_exact
+from gradaccum.plan.sync import SYNC_CHOICES, default_gpus_per_node
 from gradaccum.utils.choices import PRECISIONS
 from gradaccum.utils.errors import BadInput, flag_name
 
 _COUNTS = (
     "target_tokens target_sequences accum_steps seq_len micro_batch micro_tokens gpus steps "
     "total_tokens params layers hidden heads vocab device_memory base_batch_tokens "
-    "trainable_params lora_rank active_params"
+    "trainable_params lora_rank active_params gpus_per_node"
 ).split()
 
 
@@ -94,12 +95,14 @@ class PlanInputs(
             ("checkpointing", CHECKPOINTING),
             ("lr_rule", LR_RULES),
             ("zero", (0, 1, 2, 3)),
+            ("sync", SYNC_CHOICES),
         ):
             value = getattr(self, name)
             if value is not None and value not in choices:
                 raise BadInput(f"{flag_name(name)} {value}: expected one of {choices}")
         self._check_base_bits()
         self._check_conflicts()
+        self._check_sync()
         if self.batch_schedule is not None:
             self._check_schedule()
         self._check_companions()
@@ -130,6 +133,59 @@ class PlanInputs(
                 "needs the model's shape (--model, or --layers ...): only the blocks' linear "
                 "layers are quantised",
             )
+
+    def nodes_and_gpus_per_node(self) -> tuple[int, int]:
+        """(nodes, devices per node): --gpus over --gpus-per-node, or its default."""
+        world = self.gpus or 1
+        per_node = self.gpus_per_node or default_gpus_per_node(world)
+        return world // per_node, per_node
+
+    def _check_sync(self) -> None:
+        """--gpus-per-node divides --gpus; hsdp needs two nodes or more; micro and hsdp shard
+        the gradient (not --zero 0 or 1); auto needs the memory it chooses by."""
+        world, sync = self.gpus or 1, self.sync
+        per_node = self.gpus_per_node
+        if per_node is not None and world % per_node:
+            raise BadInput("--gpus-per-node", per_node, f"does not divide --gpus {world}")
+        if self.sync_every_micro_batch and sync in ("window", "auto"):
+            raise BadInput(f"--sync-every-micro-batch conflicts with --sync {sync}: give one")
+        if sync is None or sync == "window":
+            return
+        if world == 1:
+            raise BadInput("--sync", sync, "needs --gpus 2 or more: one device syncs nothing")
+        nodes, per_node = self.nodes_and_gpus_per_node()
+        if sync == "hsdp" and nodes < 2:
+            raise BadInput(
+                "--sync",
+                sync,
+                f"needs 2 nodes or more (replicas x shards, a shard group per node): --gpus "
+                f"{world} is {nodes} node of --gpus-per-node {per_node}; give --gpus "
+                f"{2 * per_node} or more, or a smaller --gpus-per-node",
+            )
+        if sync in ("micro", "hsdp") and self.zero is not None and self.zero < 2:
+            raise BadInput(
+                "--sync",
+                sync,
+                f"shards the gradient (FSDP2, --zero 2 or 3); conflicts with --zero {self.zero}",
+            )
+        if sync == "auto":
+            needs = {
+                "device_memory": "--device-memory",
+                "micro_batch": "--micro-batch",
+                "seq_len": "--seq-len",
+            }
+            missing = [flag for name, flag in needs.items() if getattr(self, name) is None]
+            batch = ("target_tokens", "target_sequences", "accum_steps", "batch_schedule")
+            if not self._given(*batch):
+                missing.append("a global batch (--target-tokens or --accum-steps)")
+            if self.model is None and self.layers is None:
+                missing.append("a model shape (--model, or --layers ...)")
+            if missing:
+                raise BadInput(
+                    "--sync",
+                    sync,
+                    f"needs {', '.join(missing)}: it picks the fastest policy whose memory fits",
+                )
 
     def _given(self, *names: str) -> list[str]:
         return [n for n in names if getattr(self, n) is not None]

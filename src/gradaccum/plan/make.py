@@ -22,6 +22,7 @@ from gradaccum.plan.presets import ModelShape, custom, preset
 from gradaccum.plan.quantized import QuantizedBase, quantized_base, stored_base
 from gradaccum.plan.result import Plan
 from gradaccum.plan.sizes import fmt_int
+from gradaccum.plan.sync import INTER_NODE_BW, INTRA_NODE_BW, Mesh, policy_setup, sync_plan
 from gradaccum.utils.errors import BadInput
 
 
@@ -69,6 +70,9 @@ def make_plan(i: PlanInputs) -> Plan:
     trainable, held = _trainable(i, shape, params)
     quantized = _quantized(i, shape, params, trainable)
     setup = costs.memory_setup(i, world, trainable, quantized)
+    mesh = _mesh(i)
+    # how the state is held: --sync micro and hsdp shard the gradient (auto: once chosen)
+    held_setup = policy_setup(setup, i.sync, mesh) if i.sync in ("micro", "hsdp") else setup
     warnings: list[str] = []
     notes: list[str] = []
     if assumed:
@@ -76,16 +80,17 @@ def make_plan(i: PlanInputs) -> Plan:
             "one device assumed (--gpus not given): the global batch, k and the time are for "
             "1 device; give --gpus N to plan for N"
         )
-    batch, fit_cap = choose_micro_batch(i, shape, held, setup, world, notes)
+    batch, fit_cap = choose_micro_batch(i, shape, held, held_setup, world, notes)
     if i.batch_schedule is not None:
         check_schedule_micro(i, batch, world)
     global_seq, global_tok, deviation = _landing(i, batch, world, fit_cap, warnings, notes)
     k, micro_tokens = batch.accum_steps, batch.micro_tokens
+    sync, held_setup, fit_cap = _sync(i, held, shape, setup, held_setup, mesh, batch, fit_cap)
     memory = costs.memory_report(
-        i, shape, params, held, setup, batch, fit_cap, global_seq, warnings
+        i, shape, params, held, held_setup, batch, fit_cap, global_seq, warnings
     )
     costs.memory_notes(
-        i, shape, params, trainable, setup, world, batch.micro_batch, warnings, notes
+        i, shape, params, trainable, held_setup, world, batch.micro_batch, warnings, notes
     )
     scheduled = costs.scheduled_run(i, params, micro_tokens, world)
     steps, total_tokens = costs.run_length(i, global_tok, scheduled)
@@ -118,11 +123,12 @@ def make_plan(i: PlanInputs) -> Plan:
         trainable_params=trainable,
         precision=setup.precision,
         optimizer=setup.optimizer,
-        zero=setup.zero,
+        zero=held_setup.zero,
         checkpointing=setup.checkpointing,
         flash_attention=setup.flash_attention,
         memory=memory,
         communication=traffic(params, setup, k),
+        sync=sync,
         micro_batch_from=batch.micro_from,
         accum_steps_from=batch.k_from,
         warnings=warnings,
@@ -132,6 +138,30 @@ def make_plan(i: PlanInputs) -> Plan:
         base_bits=i.base_bits,
         active_params=i.active_params,
     )
+
+
+def _mesh(i: PlanInputs) -> Mesh:
+    """The devices as nodes x --gpus-per-node, and the bandwidths given or assumed."""
+    nodes, per_node = i.nodes_and_gpus_per_node()
+    intra = i.intra_node_bw or INTRA_NODE_BW
+    inter = i.inter_node_bw or INTER_NODE_BW
+    return Mesh(nodes, per_node, intra, inter)
+
+
+def _sync(i: PlanInputs, held, shape, setup, held_setup, mesh: Mesh, batch, fit_cap):
+    """The sync policies side by side (None on one device, or without a size or k), and with
+    --sync auto the setup and largest micro-batch of the one it chose."""
+    world, k = i.gpus or 1, batch.accum_steps
+    if world == 1 or held is None or k is None:
+        return None, held_setup, fit_cap
+    sync = sync_plan(
+        i.sync, held, shape, setup, mesh, k, batch.micro_batch, i.seq_len, i.device_memory
+    )
+    if i.sync == "auto" and sync.policy != "window":
+        held_setup = policy_setup(setup, sync.policy, mesh)
+        if fit_cap is not None:
+            fit_cap = mem.max_micro_batch(held, shape, held_setup, i.seq_len, i.device_memory)
+    return sync, held_setup, fit_cap
 
 
 def _landing(i: PlanInputs, batch, world: int, fit_cap, warnings: list, notes: list):

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 
 from gradaccum.plan.communication import Communication
 from gradaccum.plan.schedule_plan import SchedulePlan
+from gradaccum.plan.sync import SyncPlan
 
 
 @dataclass
@@ -89,6 +90,9 @@ class Plan:
     memory: MemoryReport
     communication: Communication | None
     """Gradient traffic per step for the two ways to sync; None on one device."""
+    sync: SyncPlan | None
+    """The gradient-sync policies side by side (window, micro, hsdp), and --sync's; None on
+    one device, or without a model size or k."""
     micro_batch_from: str | None
     """Which flag set the micro-batch, or 'largest that fits --device-memory'."""
     accum_steps_from: str | None

@@ -6,7 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gradaccum.plan.memory import CHECKPOINTING, OPTIMIZERS
-from gradaccum.plan.sizes import parse_bytes, parse_count, parse_float, parse_seconds
+from gradaccum.plan.sizes import (
+    parse_bandwidth,
+    parse_bytes,
+    parse_count,
+    parse_float,
+    parse_seconds,
+)
+from gradaccum.plan.sync import SYNC_CHOICES
 from gradaccum.settings.field import setting
 
 
@@ -16,6 +23,10 @@ def _count(value, flag: str) -> int:
 
 def _bytes(value, flag: str) -> int:
     return parse_bytes(str(value), flag, bare_unit=10**9)
+
+
+def _bandwidth(value, flag: str) -> float:
+    return parse_bandwidth(str(value), flag)
 
 
 def _seconds(value, flag: str) -> float:
@@ -92,7 +103,7 @@ class PlanModelSettings:
 
 @dataclass
 class PlanMemorySettings:
-    """memory per device"""
+    """memory per device and gradient sync"""
 
     SECTION = "memory"
 
@@ -108,6 +119,23 @@ class PlanMemorySettings:
     sync_every_micro_batch: bool | None = setting(None, "bool")
     """Sync gradients after every micro-batch (ZeRO-2/3 then keep them sharded, k x the
     traffic); default: once per window."""
+    sync: str | None = setting(None, "choice", choices=SYNC_CHOICES, default_text="window")
+    """How data-parallel devices sync the gradient: window (once per window, the whole fp32
+    gradient held until then), micro (reduce-scatter into an fp32 shard after every
+    micro-batch), hsdp (reduce-scatter within a node every micro-batch, all-reduce across
+    nodes once per window), auto (the fastest whose memory fits --device-memory). The plan
+    prints all of them side by side."""
+    gpus_per_node: int | None = setting(None, parse=_count,
+                                        default_text="the largest divisor of --gpus up to 8")  # fmt: skip
+    """Devices per node: hsdp's shard group, and where a sync leaves the node."""
+    intra_node_bw: float | None = setting(None, parse=_bandwidth, metavar="SIZE",
+                                          default_text="300GB/s")  # fmt: skip
+    """Bytes per second a device sends within its node, per direction (NVLink, HCCS): 300GB/s;
+    a small b counts bits (400Gb/s is 50 GB/s); a bare number is GB/s."""
+    inter_node_bw: float | None = setting(None, parse=_bandwidth, metavar="SIZE",
+                                          default_text="400Gb/s = 50GB/s")  # fmt: skip
+    """Bytes per second a device sends to other nodes, per direction: its share of the
+    network, one 400 Gb/s NIC per device by default."""
     device_memory: int | None = setting(None, parse=_bytes, metavar="SIZE")
     """Memory of one device: 80GB (1e9 bytes), 64GiB; a bare number is GB."""
     trainable_params: int | None = setting(None, parse=_count)

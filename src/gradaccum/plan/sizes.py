@@ -121,6 +121,39 @@ def parse_float(text: str, flag: str, *, allow_percent: bool = False) -> float:
     return float(number)
 
 
+def parse_bandwidth(text: str, flag: str) -> float:
+    """Bytes per second: 300GB/s, 25GiB/s; a small b counts bits, so 400Gb/s is 50 GB/s; a
+    bare number is GB/s; the /s may be left out (300GB)."""
+    raw = str(text).strip()
+    body = raw[:-2] if raw.lower().endswith("/s") else raw
+    examples = "(examples: 300GB/s, 400Gb/s, 25GiB/s, 50)"
+    try:
+        number, unit = _split(body, flag)
+    except BadInput:
+        raise BadInput(f"{flag} {text}: not a bandwidth {examples}") from None
+    bits = unit.endswith("b")
+    prefix = unit[:-1].lower() if unit[-1:] in ("b", "B") else None
+    if unit == "":
+        scale = Decimal(10**9)
+    elif prefix in _BINARY:
+        scale = Decimal(_BINARY[prefix])
+    elif prefix in _DECIMAL and prefix != "b":
+        scale = Decimal(_DECIMAL[prefix])
+    else:
+        raise BadInput(f"{flag} {text}: unknown unit {unit!r} {examples}")
+    value = number * scale / (8 if bits else 1)
+    _check_sign(value, text, flag, allow_zero=False)
+    return float(value)
+
+
+def fmt_bandwidth(bytes_per_s: float) -> str:
+    """Bytes per second for people: '300 GB/s', '50 GB/s', '1.5 TB/s'."""
+    for scale, unit in ((1e12, "TB/s"), (1e9, "GB/s"), (1e6, "MB/s")):
+        if bytes_per_s >= scale:
+            return f"{_significant(bytes_per_s / scale, 3)} {unit}"
+    return f"{bytes_per_s:.0f} B/s"
+
+
 # Formatting for tables ---------------------------------------------------------------------------
 
 _SHORT = ((10**12, "T"), (10**9, "B"), (10**6, "M"), (10**3, "k"))

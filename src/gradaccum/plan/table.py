@@ -12,6 +12,7 @@ from rich.text import Text
 
 from gradaccum.plan.quantized import held_in_fp32
 from gradaccum.plan.sizes import fmt_bytes, fmt_count, fmt_int, fmt_seconds
+from gradaccum.plan.sync import INTER_NODE_BW, INTRA_NODE_BW, mesh_words
 
 _LR_RULE = {"none": "unchanged", "linear": "x c", "sqrt": "x sqrt(c)"}
 _PHASE_ROWS = 15  # more phases (a long ramp) show the first and last few and one row between
@@ -138,6 +139,8 @@ def _communication_rows(plan) -> list[tuple[str, str, str, str]]:
     c = plan.communication
     if c is None:
         return []
+    if plan.sync is not None:  # the sync table below says it per policy, in fp32
+        return _all_gather_rows(c)
     rows = [
         (
             "grad sync once per window",
@@ -156,16 +159,14 @@ def _communication_rows(plan) -> list[tuple[str, str, str, str]]:
                 f"grads {c.sync_every_micro_batch_grads_gb:,.2f} GB",
             )
         )
-    if c.param_all_gather_bytes:
-        rows.append(
-            (
-                "ZeRO-3 param all-gather",
-                fmt_bytes(c.param_all_gather_bytes),
-                "sent / device / step",
-                "",
-            )
-        )
-    return rows
+    return rows + _all_gather_rows(c)
+
+
+def _all_gather_rows(c) -> list[tuple[str, str, str, str]]:
+    if not c.param_all_gather_bytes:
+        return []
+    bytes_sent = fmt_bytes(c.param_all_gather_bytes)
+    return [("ZeRO-3 param all-gather", bytes_sent, "sent / device / step", "")]
 
 
 def _phase_cells(p) -> list[str]:
@@ -229,6 +230,54 @@ def _phase_table(plan) -> Table:
     return table
 
 
+def _sync_table(plan) -> Table:
+    """The gradient-sync policies side by side, a column each: per device and optimizer step."""
+    sync = plan.sync
+    assumed = []
+    if sync.intra_node_bw_gb_s * 1e9 == INTRA_NODE_BW:
+        assumed.append("--intra-node-bw 300GB/s (NVLink, HCCS)")
+    if sync.inter_node_bw_gb_s * 1e9 == INTER_NODE_BW:
+        assumed.append("--inter-node-bw 400Gb/s (a 400 Gb/s NIC per device)")
+    title = f"gradient sync: {mesh_words(sync)}"
+    if assumed:
+        title += f"; assumed: {', '.join(assumed)}"
+    table = Table(title=title, title_justify="left")
+    table.add_column("per device, per step")
+    for c in sync.policies:
+        table.add_column(c.policy + (" *" if c.policy == sync.policy else ""))
+    rows = [
+        ("collectives (fp32)", lambda c: c.collectives.removesuffix(", fp32")),
+        ("state held as", lambda c: f"ZeRO-{c.zero}"),
+        ("gradient held", lambda c: f"{fmt_bytes(c.grad_memory_bytes)} fp32"),
+        ("sent within the node", lambda c: fmt_bytes(c.intra_node_bytes)),
+        ("sent across nodes", lambda c: fmt_bytes(c.inter_node_bytes)),
+        ("sync time", lambda c: fmt_seconds(c.sync_time_s)),
+        ("memory: total", lambda c: _gb_or_dash(c.memory_total_gb)),
+        ("fits", lambda c: "-" if c.fits is None else ("yes" if c.fits else "NO")),
+    ]
+    for name, cell in rows:
+        table.add_row(name, *(Text(cell(c)) for c in sync.policies))
+    return table
+
+
+def _gb_or_dash(gb: float | None) -> str:
+    return "-" if gb is None else fmt_bytes(gb * 1e9)
+
+
+def _sync_lines(plan) -> list[str]:
+    """What the sync table's columns mean, and --sync's choice."""
+    sync = plan.sync
+    lines = [
+        "sync: time = bytes within the node / its bandwidth + bytes across nodes / theirs, "
+        "not overlapped with backward; memory: the device's total under that policy (micro "
+        "and hsdp shard the gradient, at ZeRO 2 or more; hsdp over a node's devices)"
+    ]
+    if sync.policy is not None:
+        how = "--sync auto chose" if sync.why else "--sync"
+        lines.append(f"sync: * {how} {sync.policy}" + (f": {sync.why}" if sync.why else ""))
+    return lines
+
+
 def rows_table(title: str, rows) -> Table:
     """A table of (quantity, value, unit, how) rows."""
     table = Table(title=title, title_justify="left")
@@ -259,6 +308,10 @@ def render_table(plan, width: int = 110) -> str:
     console.print(table)
     if plan.batch_schedule is not None:
         console.print(_phase_table(plan))
+    if plan.sync is not None:
+        console.print(_sync_table(plan))
+        for text in _sync_lines(plan):
+            console.print(text, markup=False, soft_wrap=True)
     for text in plan.warnings:
         console.print(f"warning: {text}", markup=False, soft_wrap=True)
     for text in plan.notes:
