@@ -1,23 +1,28 @@
-"""`gradaccum train` once its flags are read (`cli/train.py`): the TrainConfig, on --resume
-the checkpoint's settings under the flags, the run, its summary."""
+"""`gradaccum train` once its flags are read (`cli/train.py`): whether it continues the run
+in --out (--resume, --resume auto, a torchrun restart), the TrainConfig (on a resume the
+checkpoint's settings under the flags), the run, its summary."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from gradaccum.cli.common import print_json
 from gradaccum.settings.command import given
 from gradaccum.train.config import TrainConfig
 from gradaccum.train.loop import train
-from gradaccum.train.rundir.resume import settings_to_resume
+from gradaccum.train.rundir.resume import continues, settings_to_resume
 
 
 def run(args: argparse.Namespace) -> int:
     values = given(args)
-    if values.get("resume"):
+    values["resume"], restarted = continues(values)  # --resume auto settled here
+    if values["resume"]:
         values = settings_to_resume(values)
     config = TrainConfig(**values)
+    if restarted is not None and os.environ.get("RANK", "0") == "0":
+        print(f"resume: {restarted}", file=sys.stderr if config.json else sys.stdout, flush=True)
     summary = train(config)
     if os.environ.get("RANK", "0") != "0":
         return 0

@@ -119,15 +119,35 @@ def init_distributed(
         raise ValueError(f"backend {backend!r} needs a {needs} device; this process has {dev}")
     # env:// (not tcp://): under torchrun's c10d rendezvous the agent already serves the store
     # at MASTER_ADDR:MASTER_PORT and env:// joins it as a client.
+    store = _agent_store(env, world, timedelta(seconds=timeout_s))
     dist.init_process_group(
         backend=backend,
-        init_method="env://",
+        init_method=None if store is not None else "env://",
+        store=store,
         rank=rank,
         world_size=world,
         timeout=timedelta(seconds=timeout_s),
         device_id=dev if dev.type == "cuda" else None,  # nccl: bind and connect eagerly
     )
     return RankInfo(rank, world, local_rank, dev, backend, True)
+
+
+def _agent_store(env, world: int, timeout: timedelta):
+    """The store of this start of the group, where torchrun's agent serves it
+    (TORCHELASTIC_USE_AGENT_STORE=True); None otherwise (env:// then joins as before).
+
+    torchrun keeps one rendezvous store for every start of a group (unless
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), while env:// takes it as new on each restart: a
+    restarted group's gloo would read the addresses its dead ranks left there and fail
+    ("connectFullMesh ... Connection refused"). Its keys under a prefix per start,
+    TORCHELASTIC_RESTART_COUNT, keep each start's apart."""
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    client = dist.TCPStore(
+        env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=False, timeout=timeout
+    )
+    start = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"gradaccum_start_{start}/default_pg", client)
 
 
 LOST_WORDS = ("timed out", "timeout", "connection closed", "connection reset", "pair closure")

@@ -87,7 +87,7 @@ class Command:
         return (doc + (f" ({said})" if said else "")).replace("%", "%%")
 
     def default_text(self, name: str, spec: Flag) -> str:
-        if spec.kind == "bool" or self.defaults.get(name, 0) is None:  # None: none stated
+        if spec.kind == "bool" or spec.bare is not None or self.defaults.get(name, 0) is None:
             return ""
         tasks = list(self.task_defaults)
         first = self.default(name, tasks[0] if tasks else None)
@@ -128,6 +128,10 @@ def add_command(sub, command: Command) -> argparse.ArgumentParser:
         kw = {"dest": name, "default": argparse.SUPPRESS, "help": command.help_of(name)}
         if spec.kind == "bool":
             groups[component].add_argument(*names, action="store_true", **kw)
+        elif spec.bare is not None:  # `--resume` alone or `--resume auto`
+            groups[component].add_argument(
+                *names, metavar=spec.metavar, nargs="?", const=spec.bare, **kw
+            )
         else:
             groups[component].add_argument(*names, metavar=spec.metavar, **kw)
     p.add_argument_group("settings file").add_argument(

@@ -38,6 +38,9 @@ class Flag:
     """Other names of the flag (`--devices` for `--gpus`)."""
     default_text: str | None = None
     """How --help states a default the field leaves None ("a tenth of the run")."""
+    bare: object = None
+    """The value of the flag given without one (`--resume` alone), for a flag whose value may
+    be left out; None: the value must be given."""
 
 
 def setting(default, kind: str = "count", **kw):

@@ -35,12 +35,19 @@ def render() -> str:
 
 
 def _command(command: Command) -> str:
-    lines = [f"## gradaccum {command.name}", "", command.help[0].upper() + command.help[1:] + ".", ""]
+    lines = [
+        f"## gradaccum {command.name}",
+        "",
+        command.help[0].upper() + command.help[1:] + ".",
+        "",
+    ]
     groups: dict[type, list[str]] = {}
     for name, (component, f) in command.fields().items():
         spec = flag_of(f)
         flag = ", ".join(f"`{n}`" for n in [flag_name(name), *spec.aliases])
         metavar = "" if spec.kind == "bool" else f" {spec.metavar}".replace("|", "\\|")
+        if spec.bare is not None:  # the value may be left out: `--resume [auto]`
+            metavar = f" [{metavar.strip()}]"
         default = command.default_text(name, spec).removeprefix("default ").replace("|", "\\|")
         doc = " ".join([field_docs(component).get(name, ""), command.notes.get(name, "")])
         doc = doc.strip().replace("|", "\\|")

@@ -24,7 +24,7 @@ from gradaccum.parallel import devices
 from gradaccum.train.config import FLAGS, TrainConfig
 from gradaccum.train.rundir import checkpoint, trackers
 from gradaccum.train.rundir.lock import LOCK_FILE, RunLock
-from gradaccum.train.rundir.settings import LEGACY_SETTINGS_FILE, SETTINGS_FILE
+from gradaccum.train.rundir.settings import LEGACY_SETTINGS_FILE, RESUME_AUTO, SETTINGS_FILE
 from gradaccum.utils.choices import check_builtin_model
 from gradaccum.utils.errors import BadInput
 
@@ -41,6 +41,8 @@ def prepare(config: TrainConfig) -> TrainConfig:
             if getattr(config, name) is not None and not getattr(config, name).startswith("hf:")
         },
     )
+    if config.resume == RESUME_AUTO:  # from Python; the command line's is settled before
+        config = replace(config, resume=bool(checkpoint.step_folders(config.out)))
     check_out_folder(config.out)
     if not config.resume:  # a resume's model comes from its checkpoint, not from these paths
         check_paths(config)

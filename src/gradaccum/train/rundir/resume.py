@@ -24,6 +24,7 @@ from gradaccum.train import micro_batch
 from gradaccum.train.config import FLAGS, TrainConfig, merge_settings
 from gradaccum.train.rundir import checkpoint
 from gradaccum.train.rundir.metrics import read_metrics_text
+from gradaccum.train.rundir.settings import RESUME_AUTO, read_resume
 from gradaccum.train.schedule import Schedule
 from gradaccum.utils.choices import DEFAULT_MODEL
 from gradaccum.utils.errors import BadInput, flag_name
@@ -68,6 +69,43 @@ SPECIAL = (
 )
 """Fields whose change is judged by what it does (the batch, the length, the tokens; the
 MoE balance's mode as trained, a default included: `train.moe`, applied and said)."""
+
+
+RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+"""torchrun's count of the times it has restarted the group: 0 on its first start."""
+
+
+def continues(given: dict) -> tuple[bool, str | None]:
+    """Whether the invocation asking `given` continues the run in --out, and the line that
+    says so when a torchrun restart decided it. --resume alone: always; --resume auto: when
+    --out holds a checkpoint; no --resume in a group torchrun restarted: auto, so that a
+    restart continues from the newest intact checkpoint instead of refusing its own folder."""
+    value, out, restart = given.get("resume"), given.get("out"), restart_count()
+    if value is None and restart:
+        value = RESUME_AUTO
+    value = read_resume(False if value is None else value, "--resume")
+    if value != RESUME_AUTO:
+        return value, None
+    if out is None or not checkpoint.step_folders(out):
+        return False, None
+    if not restart:
+        return True, None
+    path, _ = checkpoint.newest_intact(out)
+    at = "its newest checkpoint" if path is None else f"step {checkpoint_step(path)}"
+    return True, f"restart {restart} of the group: continuing from {at}"
+
+
+def restart_count() -> int:
+    """How many times torchrun has restarted this group (`RESTART_COUNT`); 0 outside it."""
+    try:
+        return max(0, int(os.environ.get(RESTART_COUNT, "0")))
+    except ValueError:
+        return 0
+
+
+def checkpoint_step(path: str) -> int:
+    """The optimizer step of checkpoint folder `path` (step-00000200: 200)."""
+    return int(os.path.basename(path).removeprefix("step-"))
 
 
 def settings_to_resume(given: dict) -> dict:

@@ -8,6 +8,21 @@ from dataclasses import dataclass
 from gradaccum.settings.field import setting
 from gradaccum.utils.errors import BadInput
 
+RESUME_AUTO = "auto"
+"""--resume's value that continues only when --out holds a checkpoint."""
+
+
+def read_resume(value, flag: str) -> bool | str:
+    """--resume: True alone (or true, a config file's boolean), False, or `auto`."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text == RESUME_AUTO:
+        return RESUME_AUTO
+    if text in ("true", "false"):
+        return text == "true"
+    raise BadInput(flag, value, "give --resume alone (continue) or --resume auto")
+
 
 @dataclass
 class CheckpointSettings:
@@ -21,8 +36,10 @@ class CheckpointSettings:
     """Checkpoints kept in --out, newest first; an older one is what a resume falls back to
     when the newest is damaged. --save-best's checkpoint is kept in addition, so the folder
     holds at most N + 1 (Transformers' save_total_limit counts the best among its N)."""
-    resume: bool = setting(False, "bool")
-    """Continue the run in --out from its newest intact checkpoint, exactly."""
+    resume: bool | str = setting(False, parse=read_resume, metavar="auto", bare=True)
+    """Continue the run in --out from its newest intact checkpoint, exactly. --resume auto:
+    continue when --out holds a checkpoint, start anew when it holds none; the default in a
+    group torchrun restarted (TORCHELASTIC_RESTART_COUNT above 0, docs/distributed.md)."""
     allow_data_change: bool = setting(False, "bool")
     """On --resume, continue on other data than the run was trained on (refused otherwise)."""
     save_best: bool = setting(False, "bool")
