@@ -12,6 +12,7 @@ import sys
 from gradaccum.cli.common import print_json
 from gradaccum.engine.settings import PrecisionSettings
 from gradaccum.models.settings import LoraSettings, ModelSettings
+from gradaccum.parallel.settings import ParallelSettings
 from gradaccum.plan import PlanInputs, make_plan, render_table
 from gradaccum.plan.memory import DEFAULT_PRECISION
 from gradaccum.plan.settings import (
@@ -78,6 +79,7 @@ COMMAND = Command(
         part(PlanModelSettings),
         part(PrecisionSettings),
         part(PlanMemorySettings),
+        part(ParallelSettings, "sync"),
         part(LoraSettings, "lora_rank", "base_bits"),
         part(PlanLRSettings),
         part(BatchSettings, "lr_rule"),

@@ -14,12 +14,13 @@ from gradaccum.grpo.settings import RLSettings
 from gradaccum.models.quantized_spec import check_base_flags
 from gradaccum.models.settings import LoraSettings, ModelSettings, model_source
 from gradaccum.moe.settings import MoESettings
+from gradaccum.parallel.settings import ParallelSettings
 from gradaccum.settings.command import Command, part
 from gradaccum.train.settings import BatchSettings, RunSettings
 from gradaccum.utils.choices import PACKINGS
 from gradaccum.utils.errors import BadInput, flag_name
 from gradaccum.verification.budget import MAX_SEQ_LEN
-from gradaccum.verification.settings import VerifySettings
+from gradaccum.verification.settings import VerifySettings, default_shards
 
 DEFAULT_PLOT = "precision_study.png"
 GRPO_FIELDS = (
@@ -67,6 +68,7 @@ information. --lora-rank alone: the adapters on the full base. Examples:
   gradaccum verify --task grpo --loss-type bnpo --num-generations 4 --k 8 --beta 0.04
   gradaccum verify --model-config path/to/config.json --k 8 --precision bf16
   gradaccum verify --world-size 2          # also DDP and FSDP2 over 2 gloo processes on CPU
+  gradaccum verify --world-size 4 --sync hsdp   # FSDP2 as 2 replicas x 2 shards
   gradaccum verify --model tiny-moe --moe-balance micro   # a mixture of experts
   gradaccum verify --precision-study --plot study.png
 """
@@ -95,7 +97,9 @@ COMMAND = Command(
         part(RLSettings, *GRPO_FIELDS),
         part(PrecisionSettings),
         part(RunSettings, "seed"),
-        part(VerifySettings, "world_size", "precision_study", "k_max", "plot"),
+        part(VerifySettings, "world_size"),
+        part(ParallelSettings, "sync"),
+        part(VerifySettings, "shards", "precision_study", "k_max", "plot"),
         part(RunSettings, "json"),
     ),
     run="verify_run",
@@ -117,6 +121,9 @@ COMMAND = Command(
     },
     exclusive=(("model", "model_config", "init_from"),),
     notes={
+        "sync": "Verify runs FSDP2 under it on the ranks of --world-size (DDP syncs once per "
+        "window whatever it says) and checks each wrapper's gradient bytes per window against "
+        "the planner's.",
         "lora_rank": f"With --base-bits and no --lora-rank: {DEFAULT_LORA_RANK}. Unlike "
         "training, B starts small and random (drawn from --seed), not zero: with B = 0 every "
         "A's gradient is zero and the check would compare zeros.",
@@ -158,6 +165,7 @@ def parse_sizes(args) -> dict:
         )
     if sizes["k_max"] & (sizes["k_max"] - 1) or sizes["k_max"] > 1024:
         raise BadInput("--k-max", sizes["k_max"], "must be a power of two, at most 1024")
+    sizes.update(_sync_mesh(args))
     args.model, args.model_config = _model_source(args)
     _check_task(args)
     _check_lora(args)
@@ -165,6 +173,30 @@ def parse_sizes(args) -> dict:
     if args.task == "grpo":
         sizes.update(_grpo_cut(args))
     return sizes
+
+
+def _sync_mesh(args) -> dict:
+    """--sync and --shards as the ranks run them: {"sync", "shards"}, shards settled for
+    hsdp (`default_shards`), None otherwise."""
+    world, sync, shards = args.world_size, args.sync or "window", args.shards
+    if sync == "auto":
+        raise BadInput("--sync", sync, "the planner's choice (gradaccum plan --sync auto); "
+                       "verify runs window, micro or hsdp")  # fmt: skip
+    if sync != "window" and world < 2:
+        raise BadInput("--sync", sync, "needs --world-size of at least 2 (how the ranks sync)")
+    if shards is not None and sync != "hsdp":
+        raise BadInput("--shards", shards, "needs --sync hsdp")
+    if sync != "hsdp":
+        return {"sync": sync, "shards": None}
+    if shards is None:
+        shards = default_shards(world)
+        if shards < 2:
+            raise BadInput("--sync", "hsdp", f"--world-size {world} does not factor into "
+                           "replicas x shards, both at least 2 (4, 6, 8 ranks do)")  # fmt: skip
+    elif world % shards or world // shards < 2:
+        raise BadInput("--shards", shards, f"--world-size {world} is not replicas x {shards} "
+                       "with at least 2 replicas")  # fmt: skip
+    return {"sync": sync, "shards": shards}
 
 
 def _grpo_cut(args) -> dict:

@@ -64,7 +64,10 @@ def run(args) -> int:
         reference_model=case.reference,
     )
     if sizes["world_size"] > 1 and progress is not None:
-        progress(f"{sizes['world_size']} gloo ranks, DDP and FSDP2, against one process")
+        progress(
+            f"{sizes['world_size']} gloo ranks, DDP (window) and FSDP2 ({sizes['sync']}), "
+            "against one process"
+        )
     world = [world_row(r) for r in world_check(case, sizes, moe)] if sizes["world_size"] > 1 else []
     studied = None
     if args.precision_study:

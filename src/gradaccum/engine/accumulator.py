@@ -34,8 +34,7 @@ from gradaccum.engine.noise import NoiseScale
 from gradaccum.engine.precision import LossScaler, autocast_dtype, is_low_precision
 from gradaccum.engine.window import StepResult, Window, backward_scale, repeated_batch
 from gradaccum.parallel import backends, collectives
-from gradaccum.parallel.fsdp2 import SYNC_POLICIES
-from gradaccum.utils.choices import PRECISIONS
+from gradaccum.utils.choices import PRECISIONS, SYNC_POLICIES
 
 __all__ = ["Accumulator", "StepResult", "Window", "backward_scale", "count_labels", "windows"]
 

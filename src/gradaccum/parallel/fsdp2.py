@@ -32,7 +32,6 @@ from gradaccum.parallel import traffic
 from gradaccum.parallel.collectives import world_size
 from gradaccum.parallel.traffic import GradTraffic
 
-SYNC_POLICIES = ("window", "micro", "hsdp")
 _LOW = (torch.bfloat16, torch.float16)
 
 
@@ -122,6 +121,8 @@ class FSDP2:
                     self.wrapper.set_requires_all_reduce(True)
             else:
                 yield
+                if not last:
+                    _free_held_grads(hooks)
         finally:
             for hook in hooks:
                 hook.last = True
@@ -285,6 +286,8 @@ class ReducedShardHook:
         self.hold = False
         self.last = True
         self.partial: torch.Tensor | None = None
+        self.unit: torch.nn.Module | None = None
+        """The `fully_shard` unit it is installed on."""
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
         if self.inner is not None:
@@ -305,6 +308,22 @@ class ReducedShardHook:
             self.partial = None
 
 
+def _free_held_grads(hooks: list[ReducedShardHook]) -> None:
+    """Drop the sharded `.grad` that FSDP2 made from the zeros each holding hook handed it:
+    until the window's last micro-step only the hook's fp32 shard is held (4P/w, not
+    4P/w + 2P/w with bf16 parameters), as the planner counts it."""
+    for hook in hooks:
+        if hook.hold:
+            for fsdp_param in _param_group(hook.unit).fsdp_params:
+                fsdp_param.sharded_param.grad = None
+
+
+def _param_group(module: torch.nn.Module):
+    """The one parameter group of a `fully_shard` unit: `_get_fsdp_state()._fsdp_param_groups[0]`
+    (its `fsdp_params`, each with its `sharded_param`)."""
+    return module._get_fsdp_state()._fsdp_param_groups[0]
+
+
 def reduced_shard_hook(module: torch.nn.Module, install: bool = False) -> ReducedShardHook | None:
     """The `ReducedShardHook` on `module` (a `fully_shard` unit), installed around the hook it
     had when `install`; None when it has none, or where it cannot have one (several
@@ -320,6 +339,7 @@ def reduced_shard_hook(module: torch.nn.Module, install: bool = False) -> Reduce
     if len(groups) != 1 or not hasattr(module, "set_all_reduce_hook"):
         return None
     hook = ReducedShardHook(current)
+    hook.unit = module
     module.set_all_reduce_hook(hook)
     return hook
 

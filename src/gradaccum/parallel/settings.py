@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gradaccum.settings.field import setting
+from gradaccum.utils.choices import SYNC_CHOICES
 
 
 @dataclass
@@ -17,3 +18,9 @@ class ParallelSettings:
     dist_timeout: float = setting(300.0, "float", metavar="SECONDS", above=True)
     """Under torchrun, seconds a rank waits for the others before failing: a rank that died or
     hangs is reported within this time, not after torch's 10-minute default."""
+    sync: str | None = setting(None, "choice", choices=SYNC_CHOICES, default_text="window")
+    """How data-parallel ranks sync the window's gradient: window (once, after the window's
+    last micro-batch; the whole fp32 gradient held until then), micro (a reduce-scatter into
+    an fp32 shard after every micro-batch), hsdp (a 2-D mesh of replicas x shards: a
+    reduce-scatter within the shard group after every micro-batch, one all-reduce across
+    replicas per window), auto (plan only: the fastest whose memory fits --device-memory)."""

@@ -20,8 +20,8 @@ from gradaccum.plan.settings import (
     PlanTimeSettings,
 )
 from gradaccum.plan.sizes import fmt_count_exact
-from gradaccum.plan.sync import SYNC_CHOICES, default_gpus_per_node
-from gradaccum.utils.choices import PRECISIONS
+from gradaccum.plan.sync import default_gpus_per_node
+from gradaccum.utils.choices import PRECISIONS, SYNC_CHOICES
 from gradaccum.utils.errors import BadInput, flag_name
 
 _COUNTS = (
@@ -57,6 +57,7 @@ class PlanInputs(
 
     accum_steps: int | None = None
     batch_schedule: BatchSchedule | None = None  # a string is parsed: `0:32k,1B:256k`
+    sync: str | None = None  # window when not given (`ParallelSettings.sync`)
     seq_len: int | None = None
     micro_batch: int | None = None
     model: str | None = None  # a model shape by name (gradaccum.plan.presets.MODEL_SHAPES)

@@ -13,7 +13,6 @@ from gradaccum.plan.sizes import (
     parse_float,
     parse_seconds,
 )
-from gradaccum.plan.sync import SYNC_CHOICES
 from gradaccum.settings.field import setting
 
 
@@ -119,12 +118,6 @@ class PlanMemorySettings:
     sync_every_micro_batch: bool | None = setting(None, "bool")
     """Sync gradients after every micro-batch (ZeRO-2/3 then keep them sharded, k x the
     traffic); default: once per window."""
-    sync: str | None = setting(None, "choice", choices=SYNC_CHOICES, default_text="window")
-    """How data-parallel devices sync the gradient: window (once per window, the whole fp32
-    gradient held until then), micro (reduce-scatter into an fp32 shard after every
-    micro-batch), hsdp (reduce-scatter within a node every micro-batch, all-reduce across
-    nodes once per window), auto (the fastest whose memory fits --device-memory). The plan
-    prints all of them side by side."""
     gpus_per_node: int | None = setting(None, parse=_count,
                                         default_text="the largest divisor of --gpus up to 8")  # fmt: skip
     """Devices per node: hsdp's shard group, and where a sync leaves the node."""

@@ -36,9 +36,9 @@ from fractions import Fraction
 
 from gradaccum.plan import memory as mem
 from gradaccum.plan.sizes import fmt_bandwidth, fmt_bytes, fmt_seconds
+from gradaccum.utils.choices import SYNC_POLICIES
 
-POLICIES = ("window", "micro", "hsdp")
-SYNC_CHOICES = (*POLICIES, "auto")
+POLICIES = SYNC_POLICIES
 GPUS_PER_NODE = 8
 """Devices per node when --gpus-per-node is not given: the largest divisor of --gpus up to 8
 (an 8-GPU or 8-NPU server)."""

@@ -27,6 +27,14 @@ batch's loss and gradient, exactly); "global-previous", the previous window's f 
 pass; exact in the probabilities, one window stale in f; the first window falls back to
 "global")."""
 
+SYNC_POLICIES = ("window", "micro", "hsdp")
+"""How data-parallel ranks sync the window's gradient (`Accumulator(sync=...)`): "window",
+once after the window's last micro-batch; "micro", a reduce-scatter after every micro-batch
+(FSDP2); "hsdp", a reduce-scatter within the shard group after every micro-batch and an
+all-reduce across replicas once per window (FSDP2 over a 2-D mesh)."""
+SYNC_CHOICES = (*SYNC_POLICIES, "auto")
+"""--sync: a policy, or "auto", the planner's choice."""
+
 TASKS = ("pretrain", "sft", "grpo")
 """--task of train, verify and bench: pretraining on a token stream, supervised fine-tuning on
 examples, or RL fine-tuning (GRPO family) on prompts with sampled completions."""

@@ -292,7 +292,9 @@ def previous_window(args, case: Case, sizes: dict) -> list[dict]:
 
 def world_setups(case: Case, sizes: dict, moe: str | None = None) -> list:
     """What --world-size checks: DDP and FSDP2, k micro-batches per rank, 2 windows; a mixture
-    of experts with its load-balancing mode `moe`."""
+    of experts with its load-balancing mode `moe`. FSDP2 syncs as --sync and --shards say
+    (sizes["sync"], sizes["shards"]; default "window"), DDP once per window."""
+    sync = sizes.get("sync", "window")
     return [
         EquivalenceSetup(
             world_size=sizes["world_size"],
@@ -304,6 +306,8 @@ def world_setups(case: Case, sizes: dict, moe: str | None = None) -> list:
             seq_len=sizes["seq_len"],
             moe_balance=moe,
             moe_shift=not case.shifted,
+            sync=sync if wrapper == "fsdp2" else "window",
+            shards=sizes.get("shards") if wrapper == "fsdp2" else None,
         )
         for wrapper in ("ddp", "fsdp2")
     ]

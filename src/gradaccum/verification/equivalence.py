@@ -18,6 +18,11 @@ compared against the tolerance of the precision study (`TOLERANCES["fp32"]`, der
 docs/design.md, "Tolerances of verify"), and the step against `step_tolerance`, derived from
 AdamW's update in the parameters' dtype.
 
+FSDP2 runs under a sync policy (`EquivalenceSetup.sync`: "window", "micro", or "hsdp" on a
+2-D mesh of replicas x shards); the gradient bytes rank 0 counted per window are compared with
+the planner's for the same gradient, k, world and mesh (`TrafficCheck`), and a mismatch fails
+the check as a wrong gradient does.
+
 A mixture of experts (`EquivalenceSetup.moe_balance`) runs its windows through
 `gradaccum.moe.Balance` on the ranks, and the single process takes the big batch of
 cross-entropy plus the load-balancing loss (`moe_check.moe_big_batch`) instead.
@@ -36,6 +41,7 @@ from gradaccum.models.checkpointing import outer_lists
 from gradaccum.models.loss import IGNORE_INDEX, causal_lm_loss
 from gradaccum.moe.balance import Balance
 from gradaccum.parallel.process_group import RankInfo, aligned_windows
+from gradaccum.plan.sync import POLICIES
 from gradaccum.verification.moe_check import moe_big_batch
 from gradaccum.verification.precision_study import HEADROOM, nice_ceil
 from gradaccum.verification.ranks import run_ranks
@@ -49,6 +55,8 @@ from gradaccum.verification.reference import (
     record_grads,
     whole_rel_error,
 )
+from gradaccum.verification.settings import default_shards
+from gradaccum.verification.traffic import TrafficCheck, traffic_check
 
 WRAPPERS = ("ddp", "fsdp2")
 
@@ -67,6 +75,12 @@ class EquivalenceSetup:
     """ddp (DistributedDataParallel) or fsdp2 (`fully_shard` on each block, then the root)."""
     sync_every_micro_batch: bool = False
     """Reduce gradients after every micro-batch instead of once per window."""
+    sync: str = "window"
+    """The Accumulator's sync policy: "window"; with wrapper "fsdp2" also "micro" (a
+    reduce-scatter after every micro-batch) or "hsdp" (`fully_shard` over a 2-D mesh of
+    replicas x `shards`)."""
+    shards: int | None = None
+    """With sync "hsdp": ranks per shard group; None: `default_shards(world_size)`."""
     short_rank: bool = True
     """The last rank's data runs out a micro-batch into the next-to-last window."""
     seed: int = 0
@@ -102,10 +116,38 @@ class EquivalenceSetup:
             raise ValueError(f"wrapper {self.wrapper!r}: expected one of {', '.join(WRAPPERS)}")
         if not self.tolerance > 0:
             raise ValueError(f"tolerance {self.tolerance}: must be positive")
+        self._check_sync()
         if self.vocab_size < 1 or self.seq_len < 1:
             raise ValueError(
                 f"vocab_size {self.vocab_size}, seq_len {self.seq_len}: must be at least 1"
             )
+
+    def _check_sync(self) -> None:
+        if self.sync not in POLICIES:
+            raise ValueError(f"sync {self.sync!r}: expected one of {', '.join(POLICIES)}")
+        if self.sync != "window" and self.wrapper != "fsdp2":
+            raise ValueError(f"sync {self.sync!r}: needs wrapper 'fsdp2'")
+        if self.shards is not None and self.sync != "hsdp":
+            raise ValueError(f"shards {self.shards}: needs sync 'hsdp'")
+        if self.sync == "hsdp":
+            replicas, shards = self.mesh_shape
+            if shards < 2 or replicas < 2 or replicas * shards != self.world_size:
+                raise ValueError(
+                    f"sync 'hsdp' on {self.world_size} ranks with {shards} per shard group: "
+                    "needs world_size = replicas x shards, both at least 2"
+                )
+
+    @property
+    def mesh_shape(self) -> tuple[int, int]:
+        """(replicas, shards): the ranks each gradient is all-reduced and reduce-scattered
+        over. DDP (world, 1), FSDP2 (1, world), HSDP (world / shards, shards)."""
+        w = self.world_size
+        if self.wrapper == "ddp":
+            return w, 1
+        if self.sync != "hsdp":
+            return 1, w
+        shards = self.shards or default_shards(w)
+        return w // shards, shards
 
 
 @dataclass
@@ -138,6 +180,8 @@ class EquivalenceReport:
     """Gradient collectives rank 0 launched per window."""
     grad_bytes: list[int]
     """Bytes of gradient rank 0 handed to them per window."""
+    traffic: TrafficCheck | None = None
+    """Those bytes against the planner's; None where they were not compared."""
     reference: str = "float64"
     """What the single process computed the window gradients in."""
     notes: list[str] = field(default_factory=list)
@@ -152,6 +196,7 @@ class EquivalenceReport:
             and self.loss_rel_error <= tolerance
             and self.step_error <= self.step_tolerance
             and self.tokens == self.tokens_expected
+            and (self.traffic is None or self.traffic.equal)
         )
 
     def to_dict(self) -> dict:
@@ -253,9 +298,10 @@ def rank_batches(setup: EquivalenceSetup, rank: int) -> list[dict]:
     return batches
 
 
-def wrap(model: torch.nn.Module, wrapper: str) -> torch.nn.Module:
+def wrap(model: torch.nn.Module, wrapper: str, mesh=None) -> torch.nn.Module:
     """`model` under DDP, or sharded with FSDP2: each block of every outermost ModuleList (a
-    block's own lists, a mixture of experts' experts, go with it), then the root."""
+    block's own lists, a mixture of experts' experts, go with it), then the root; over `mesh`
+    (a DeviceMesh; None: FSDP2's default, every rank in one shard group)."""
     if wrapper == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -264,9 +310,20 @@ def wrap(model: torch.nn.Module, wrapper: str) -> torch.nn.Module:
 
     for blocks in outer_lists(model):
         for block in blocks:
-            fully_shard(block)
-    fully_shard(model)
+            fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
+
+
+def hsdp_mesh(setup: EquivalenceSetup, device: torch.device):
+    """The 2-D DeviceMesh (replicate, shard) of `setup.mesh_shape` for sync "hsdp"; None for
+    the other policies."""
+    if setup.sync != "hsdp":
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    names = ("replicate", "shard")
+    return init_device_mesh(device.type, setup.mesh_shape, mesh_dim_names=names)
 
 
 def run_check_rank(
@@ -279,13 +336,15 @@ def run_check_rank(
     """One rank's part (any backend, on `info.device`); rank 0 returns what `compare` and
     `single_process_run` read, on CPU: the parameters before each optimizer step ("before")
     and after the last ("params"), the gradients handed to it, the reported losses, tokens,
-    collectives and bytes per step."""
-    model = wrap(factory(setup.seed).to(info.device), setup.wrapper)
+    micro-steps, collectives and bytes per step."""
+    mesh = hsdp_mesh(setup, info.device)
+    model = wrap(factory(setup.seed).to(info.device), setup.wrapper, mesh)
     optimizer = adamw(model.parameters())
     grads = record_grads(optimizer)
     acc = Accumulator(
         model,
         optimizer,
+        sync=setup.sync,
         sync_every_micro_batch=setup.sync_every_micro_batch,
         normalize=setup.normalize,
         count_tokens=count_tokens,
@@ -311,8 +370,10 @@ def run_check_rank(
         "grads": grads,
         "losses": [r.loss for r in results],
         "tokens": [r.tokens for r in results],
+        "micro_steps": [r.micro_steps for r in results],
         "collectives": [r.grad_collectives for r in results],
         "bytes": [r.grad_bytes for r in results],
+        "replica_bytes": [r.grad_replica_bytes for r in results],
     }
 
 
@@ -339,7 +400,8 @@ def single_process_run(
     each window, every rank's micro-batches stacked into one batch, the gradient of loss
     summed over tokens / tokens at the parameters the ranks held before that window (float64
     where the model runs in it); and AdamW replayed in float64 from those parameters with
-    the ranks' gradients ("after", per window). `ranks`: rank 0's `run_check_rank` output."""
+    the ranks' gradients ("after", per window); the trainable parameters' shapes
+    ("shapes"). `ranks`: rank 0's `run_check_rank` output."""
     model = factory(setup.seed).to(device)
     k = setup.accum_steps
     per_rank = [rank_batches(setup, r) for r in range(setup.world_size)]
@@ -368,8 +430,10 @@ def single_process_run(
         dtype = ref.dtype
     after = replay_adamw(ranks["before"], ranks["grads"]) if starts is not None else []
     names = [name for name, _ in model.named_parameters()]
+    shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
     reference = str(dtype).replace("torch.", "")
     return {
+        "shapes": shapes,
         "grads": grads,
         "losses": losses,
         "tokens": tokens,
@@ -437,6 +501,7 @@ def compare(setup: EquivalenceSetup, got: dict, want: dict) -> EquivalenceReport
         tokens_expected=want["tokens"],
         grad_collectives=got["collectives"],
         grad_bytes=got["bytes"],
+        traffic=traffic_check(setup, want["shapes"], got),
         reference=want["reference"],
         notes=notes,
     )

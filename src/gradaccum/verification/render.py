@@ -52,10 +52,14 @@ def report_json(
 
 
 def world_row(report) -> dict:
-    """One wrapper's line of the --world-size check, as --json prints it."""
+    """One wrapper's line of the --world-size check, as --json prints it: "mesh" is
+    [replicas, shards] (`EquivalenceSetup.mesh_shape`), "traffic" the gradient bytes counted
+    per window against the planner's (`traffic.TrafficCheck`)."""
     return {
         "wrapper": report.setup.wrapper,
         "world_size": report.setup.world_size,
+        "sync": report.setup.sync,
+        "mesh": list(report.setup.mesh_shape),
         "passed": report.passed,
         "grad_rel_err": report.grad_rel_error,
         "loss_rel_err": report.loss_rel_error,
@@ -67,6 +71,7 @@ def world_row(report) -> dict:
         "tokens": report.tokens,
         "tokens_expected": report.tokens_expected,
         "reference": report.reference,
+        "traffic": None if report.traffic is None else asdict(report.traffic),
     }
 
 
@@ -75,7 +80,8 @@ def world_check_row(row: dict) -> dict:
     error, whichever is larger, and its verdict (which also holds its AdamW step within
     `step_tolerance` and its token counts to the single process's)."""
     err = max(row["grad_rel_err"], row["loss_rel_err"])
-    name = f"{row['wrapper']} on {row['world_size']} ranks"
+    sync = "" if row.get("sync", "window") == "window" else f" ({row['sync']})"
+    name = f"{row['wrapper']}{sync} on {row['world_size']} ranks"
     return check_row(name, err, row["tolerance"], row["passed"])
 
 
@@ -221,7 +227,7 @@ def _render_world(world: list[dict]) -> list[str]:
     lines = ["", f"  {title:<{W - 12}}{'grad rel err':>12}{'step err':>12}"]
     for w in world:
         verdict = "PASS" if w["passed"] else "FAIL"
-        label = f"{w['wrapper']} ({w['steps']} steps, {w['windows']} windows)"
+        label = f"{_policy(w)} ({w['steps']} steps, {w['windows']} windows)"
         lines.append(
             f"  {label:<{W - 12}}{w['grad_rel_err']:>12.2e}{w['step_err']:>12.2e}   {verdict}"
         )
@@ -230,6 +236,44 @@ def _render_world(world: list[dict]) -> list[str]:
         f" of a {first['reference']} big batch;",
         f"  its AdamW step within {first['step_tolerance']:g} x (|p| + lr) of a float64 step with "
         "that gradient (fp32 rounding, x 4)",
+    ]
+    return lines + _render_traffic(world)
+
+
+def _policy(row: dict) -> str:
+    """'ddp, window', 'fsdp2, micro', 'fsdp2, hsdp 2 x 2' (replicas x shards)."""
+    words = f"{row['wrapper']}, {row['sync']}"
+    if row["sync"] == "hsdp":
+        words += " {} x {}".format(*row["mesh"])
+    return words
+
+
+def _render_traffic(world: list[dict]) -> list[str]:
+    """Each wrapper's gradient bytes per window, counted on rank 0, against the planner's."""
+    rows = [w for w in world if w.get("traffic")]
+    if not rows:
+        return []
+    cols = ("window", "collectives", "bytes in", "sent", "planner")
+    head = f"{cols[0]:>8}" + "".join(f"{c:>12}" for c in cols[1:])
+    lines = ["", f"  {'gradient traffic, rank 0':<24}{head}"]
+    for w in rows:
+        t = w["traffic"]
+        for i, sent in enumerate(t["counted_wire_bytes"]):
+            shown = (t["collectives"][i], t["input_bytes"][i], sent, t["planned_wire_bytes"][i])
+            label = _policy(w) if i == 0 else ""
+            lines.append(
+                f"  {label:<24}{i + 1:>8}"
+                + "".join(f"{n:>12,}" for n in shown)
+                + f"   {'equal' if t['equal'] else 'FAIL'}"
+            )
+        padded = f", padded to {t['padded_params']:,} over {t['shards']} shards"
+        padding = padded if t["padded_params"] != t["params"] else ""
+        lines.append(f"  {'':<24}planner: {t['planned']}; G = 4 x {t['params']:,} "
+                     f"parameters{padding}")  # fmt: skip
+    lines += [
+        "  bytes in: each collective's input; sent: bytes per rank on a ring, (n - 1)/n of a",
+        "  reduce-scatter's input and 2 (n - 1)/n of an all-reduce's (n ranks in it); planner:",
+        "  `gradaccum plan`'s bytes per rank for the same gradient, k and mesh (plan.sync)",
     ]
     return lines
 
