@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, in one script, about 15 minutes on one H200 (the parts' time
-# limits add up to 1,050 s; PARTS="train bench_sft" runs only the parts named, so the suite
+# limits add up to 1,170 s; PARTS="train bench_sft" runs only the parts named, so the suite
 # can be split over calls of a 10-minute limit, e.g. PARTS=qlora_7b alone):
 #   1. equivalence on CUDA: the engine's window update against the exact float64 big batch in
 #      fp32, bf16 and fp16 (autocast), and DDP / FSDP2 under torchrun (benchmarks/gpu_equivalence.py);
@@ -16,7 +16,9 @@
 #   6. the seeds' QLoRA case scaled to one card (benchmarks/qlora_gpu.py): Llama 2 7B's shape
 #      with random weights, NF4 base, LoRA rank 16, micro-batch 1 x 2048, k = 128, 2 optimizer
 #      steps timed after a warm-up, checkpointing off and on: time per micro-step, tokens/s,
-#      peak memory against the plan's figure (not run on a GPU yet).
+#      peak memory against the plan's figure (not run on a GPU yet);
+#   7. the gradient-sync policies (benchmarks/sync_policies.py): FSDP2 on a 1-rank mesh, window
+#      and micro with bf16 parameters, step time and peak memory (not run on a GPU yet).
 # Results: $RESULTS/gpu_suite.json and $RESULTS/gpu_suite.md (RESULTS defaults to
 # benchmarks/results). Each part has its own time limit; one that fails or times out is
 # recorded as such and the others still run.
@@ -114,6 +116,15 @@ part train_docmask 20 "$PY" -m gradaccum train --document-mask --model small --p
 part qlora_7b 420 "$PY" benchmarks/qlora_gpu.py --device cuda --steps 2 --checkpointing both \
   --json "$WORK/qlora_7b.json" ${QLORA_FLAGS:-}
 
+# 7. the gradient-sync policies on one device ---------------------------------------------
+# benchmarks/sync_policies.py: FSDP2 on a 1-rank mesh, window and micro on bf16 parameters
+# (fp32 reduction): step time and peak memory; the multi-rank times are the planner's. On a
+# CPU, PARTS=sync_policies SYNC_FLAGS="--preset tiny --vocab 512 --seq-len 64" runs it small.
+# shellcheck disable=SC2086  # SYNC_FLAGS: several words
+part sync_policies 120 "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 \
+  benchmarks/sync_policies.py --preset gpt2-124m --vocab 50304 --seq-len 1024 --micro-batch 8 \
+  --accum-steps 8 --bf16-params --rounds 5 --out "$WORK/sync_policies.json" ${SYNC_FLAGS:-}
+
 # results ---------------------------------------------------------------------------------
 "$PY" - "$WORK" "$RESULTS" "$PEAK_TFLOPS" "$started" <<'PYEOF'
 import json, os, sys, time
@@ -151,6 +162,8 @@ out["fit"] = {**read("fit"), "json": load(os.path.join(work, "fit", "gpu_fit.jso
 for name in ("bench_sft", "train_sft", "train_docmask"):
     out[name] = read(name)
 out["qlora_7b"] = {**read("qlora_7b"), "json": load(os.path.join(work, "qlora_7b.json"))}
+out["sync_policies"] = {**read("sync_policies"),
+                        "json": load(os.path.join(work, "sync_policies.json"))}
 write_text_atomic(os.path.join(results, "gpu_suite.json"), json.dumps(out, indent=2))
 
 md = [f"# GPU suite: {out['device']}, torch {out['torch']}, {out['wall_s']} s", ""]
@@ -204,6 +217,16 @@ if q:
 else:
     md.append(f"| QLoRA 7B shape (qlora_gpu.py) | {out['qlora_7b']['status']} | "
               f"{out['qlora_7b']['last_line']} |")
+sp = out["sync_policies"]["json"]
+if sp:
+    md.append(f"| sync policies, FSDP2 1 rank, {sp['preset']} {sp['parameter_dtype']} "
+              f"(sync_policies.py) | ok | " + "; ".join(
+        f"{name} {p['median_ms_per_step']:.0f} ms/step ({p['median_ratio_to_window']:.2f}x), "
+        f"peak {(p['peak_memory_bytes'] or 0) / 1e9:.2f} GB" for name, p in sp["policies"].items())
+        + " |")
+else:
+    md.append(f"| sync policies (sync_policies.py) | {out['sync_policies']['status']} | "
+              f"{out['sync_policies']['last_line']} |")
 write_text_atomic(os.path.join(results, "gpu_suite.md"), "\n".join(md) + "\n")
 print("\n".join(md))
 PYEOF
