@@ -172,6 +172,12 @@ def main(argv=None) -> int:
         "--out", default=os.path.join(os.path.dirname(__file__), "results", "ddp_sync.json")
     )
     args = p.parse_args(argv)
+    return run_and_write(bench_rank, print_table, args)
+
+
+def run_and_write(bench_rank, print_table, args) -> int:
+    """`bench_rank(info, args)` on this rank under torchrun, or on --world-size spawned gloo
+    ranks; rank 0's result printed with `print_table` and written to --out."""
     if "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
         info = init_distributed(timeout_s=args.timeout)
         try:

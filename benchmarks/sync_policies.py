@@ -20,21 +20,18 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import statistics
 import sys
 
 import torch
-from ddp_sync import make_windows, timed  # the same windows and timing as the DDP benchmark
+from ddp_sync import make_windows, run_and_write, timed  # as the DDP benchmark does
 
 from gradaccum import Accumulator
 from gradaccum.models.gpt import GPT, GPTConfig
 from gradaccum.models.loss import causal_lm_loss
 from gradaccum.parallel import devices
-from gradaccum.parallel.process_group import init_distributed, teardown
-from gradaccum.testing import run_ranks
-from gradaccum.utils.atomic import exit_on_disk_full, write_text_atomic
+from gradaccum.utils.atomic import exit_on_disk_full
 from gradaccum.utils.choices import BUILTIN_MODELS as PRESETS
 
 
@@ -147,22 +144,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--out", default=os.path.join(os.path.dirname(__file__), "results", "sync_policies.json")
     )
-    args = p.parse_args(argv)
-    if "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
-        info = init_distributed(timeout_s=args.timeout)
-        try:
-            result = bench_rank(info, args)
-        finally:
-            teardown(info)
-    else:
-        result = run_ranks(bench_rank, args.world_size, (args,), timeout_s=args.timeout)[0]
-    if result is None:
-        return 0
-    print_table(result)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    write_text_atomic(args.out, json.dumps(result, indent=2))
-    print(f"wrote {args.out}", file=sys.stderr)
-    return 0
+    return run_and_write(bench_rank, print_table, p.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -96,3 +96,12 @@ def one_thread():
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def refusal(build) -> str:
+    """The ValueError's text where `build()` refuses, else "accepted"."""
+    try:
+        build()
+    except ValueError as err:
+        return str(err)
+    return "accepted"

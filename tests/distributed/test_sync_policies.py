@@ -26,6 +26,7 @@ from .ranks import (
     global_windows,
     rank_data,
     record_grads,
+    refusal,
     valid_tokens,
 )
 
@@ -86,14 +87,6 @@ def _bf16(info, sync: str) -> list[torch.Tensor]:
     return grads[0]
 
 
-def _refusal(build) -> str:
-    try:
-        build()
-    except ValueError as err:
-        return str(err)
-    return "accepted"
-
-
 def _refusals(info) -> dict:
     def sgd(model):
         return torch.optim.SGD(model.parameters(), lr=0.0)
@@ -102,9 +95,9 @@ def _refusals(info) -> dict:
     ddp = DistributedDataParallel(make_gpt())
     ddp_bf16 = DistributedDataParallel(make_gpt().to(torch.bfloat16))
     return {
-        "hsdp_1d": _refusal(lambda: Accumulator(flat, sgd(flat), sync="hsdp")),
-        "hsdp_ddp": _refusal(lambda: Accumulator(ddp, sgd(ddp), sync="hsdp")),
-        "micro_ddp_bf16": _refusal(lambda: Accumulator(ddp_bf16, sgd(ddp_bf16), sync="micro")),
+        "hsdp_1d": refusal(lambda: Accumulator(flat, sgd(flat), sync="hsdp")),
+        "hsdp_ddp": refusal(lambda: Accumulator(ddp, sgd(ddp), sync="hsdp")),
+        "micro_ddp_bf16": refusal(lambda: Accumulator(ddp_bf16, sgd(ddp_bf16), sync="micro")),
     }
 
 

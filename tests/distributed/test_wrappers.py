@@ -29,7 +29,16 @@ from tests.reference import (
     token_loss,
 )
 
-from .ranks import TIMEOUT_S, K, full, global_windows, one_thread, rank_data, valid_tokens
+from .ranks import (
+    TIMEOUT_S,
+    K,
+    full,
+    global_windows,
+    one_thread,
+    rank_data,
+    refusal,
+    valid_tokens,
+)
 
 pytestmark = pytest.mark.slow  # one spawn of 2 processes for the module
 
@@ -89,14 +98,6 @@ def _subgroup(info) -> dict:
     return out
 
 
-def _refusal(build) -> str:
-    try:
-        build()
-    except ValueError as err:
-        return str(err)
-    return "accepted"
-
-
 def _fsdp2_bf16(info) -> dict:
     def sharded(dtype=torch.bfloat16, **kwargs):
         model = make_gpt().to(dtype)
@@ -109,10 +110,10 @@ def _fsdp2_bf16(info) -> dict:
         return Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.0), **kwargs)
 
     out = {
-        "plain": _refusal(lambda: accumulator(sharded())),
-        "masters": _refusal(lambda: accumulator(sharded(), master_weights=True)),
+        "plain": refusal(lambda: accumulator(sharded())),
+        "masters": refusal(lambda: accumulator(sharded(), master_weights=True)),
         # fp32 parameters computed in bf16, no reduce dtype: the window is added in bf16 too
-        "compute_bf16": _refusal(
+        "compute_bf16": refusal(
             lambda: accumulator(
                 sharded(torch.float32, mp_policy=fsdp.MixedPrecisionPolicy(torch.bfloat16))
             )
@@ -120,7 +121,7 @@ def _fsdp2_bf16(info) -> dict:
     }
     policy = fsdp.MixedPrecisionPolicy(reduce_dtype=torch.float32)
     model = sharded(mp_policy=policy)
-    out["every"] = _refusal(lambda: accumulator(model, sync_every_micro_batch=True))
+    out["every"] = refusal(lambda: accumulator(model, sync_every_micro_batch=True))
     seen = []
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     opt.register_step_pre_hook(
@@ -134,7 +135,7 @@ def _fsdp2_bf16(info) -> dict:
 
 def _ddp_bf16_every(info) -> str:
     ddp = DistributedDataParallel(make_gpt().to(torch.bfloat16))
-    return _refusal(
+    return refusal(
         lambda: Accumulator(ddp, GradRecorder(ddp.parameters()), sync_every_micro_batch=True)
     )
 

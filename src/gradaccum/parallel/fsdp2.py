@@ -54,6 +54,9 @@ class FSDP2:
         self.wrapper = wrapper
         self.modules = [m for m in wrapper.modules() if hasattr(m, "set_requires_gradient_sync")]
         """Every module of the model that `fully_shard` was applied to, the root first."""
+        self.held: list[ReducedShardHook] = []
+        """The units' hooks that hold the window's fp32 sum (`set_sync_policy` "micro" with
+        bf16/fp16 parameters), found once instead of on every micro-step."""
         if group is None and find_group:
             group = self._default_group()
         self.group = group
@@ -90,6 +93,8 @@ class FSDP2:
             hook = reduced_shard_hook(module, install=policy == "micro" and low)
             if hook is not None:
                 hook.hold = policy == "micro" and low
+                if hook.hold:
+                    self.held.append(hook)
             elif policy == "micro" and low:
                 raise ValueError(
                     f"sync='micro' with {_stored_dtype(module)} parameters needs FSDP2's "
@@ -106,7 +111,7 @@ class FSDP2:
         replicas; "micro" reduce-scatters every time and tells each held unit
         (`ReducedShardHook`) whether to hand its fp32 sum over. Everything is turned back on
         when the context ends."""
-        hooks = [h for h in map(reduced_shard_hook, self.modules) if h is not None]
+        hooks = self.held  # only a holding hook reads `last`
         for hook in hooks:
             hook.last = last
         try:
