@@ -28,7 +28,9 @@ import pytest
 import torch
 
 from gradaccum.data.corpus import MarkovCorpus
-from gradaccum.testing import free_port
+from gradaccum.testing import adamw_drift_bound, free_port
+from gradaccum.train.loop import TrainConfig, train
+from gradaccum.train.parts import ADAM_BETAS
 from gradaccum.train.rundir import resume
 from gradaccum.train.rundir.metrics import read_metrics
 from tests.distributed import launchers
@@ -40,14 +42,14 @@ KILL_AT_MICRO = 10  # window 5, micro-batch 2 of k 2: mid-window, after the step
 RUN_S = 150  # one torchrun, restart included, on a loaded 2-core machine
 
 
-def torchrun(out, data, extra_env: dict) -> subprocess.CompletedProcess:
+def torchrun(out, data, extra_env: dict, sync: str) -> subprocess.CompletedProcess:
     """One `torchrun --standalone --nproc-per-node 2 --max-restarts 2` of the trainer, each
-    rank micro-batch 4, after which no process of it is left."""
+    rank micro-batch 4, under --sync `sync`, after which no process of it is left."""
     launcher = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "2"]
     launcher += ["--monitor-interval", "0.5", WORKER]
     args = ["train", "--data", str(data), "--out", str(out), "--seq-len", "32"]
     args += ["--micro-batch", "4", "--accum-steps", "2", "--max-steps", str(STEPS)]
-    args += ["--save-every", "2", "--eval-every", "0", "--json"]
+    args += ["--save-every", "2", "--eval-every", "0", "--json", "--sync", sync]
     # torchrun's own store, shared by every start of the group: the trainer keeps each
     # start's keys apart (`process_group._agent_store`)
     env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0", **extra_env}
@@ -87,11 +89,15 @@ def train_steps(out) -> list[int]:
 
 
 @pytest.mark.slow
-def test_a_rank_killed_mid_window_restarts_and_ends_as_the_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("sync", ["window", "micro"])
+def test_a_rank_killed_mid_window_restarts_and_ends_as_the_uninterrupted_run(tmp_path, sync):
+    """window: DDP; micro: the model sharded with FSDP2, a reduce-scatter per micro-batch,
+    whose checkpoints gather the weights and AdamW's state whole and whose resume shards
+    them again; and that run equals one process over the same windows, to rounding."""
     data = tmp_path / "markov.npy"
     np.save(data, MarkovCorpus().generate(60_000, seed=3).astype(np.uint16))
     kill = {"GRADACCUM_TEST_KILL_RANK": "1", "GRADACCUM_TEST_KILL_AT_MICRO": str(KILL_AT_MICRO)}
-    killed = torchrun(tmp_path / "killed", data, kill)
+    killed = torchrun(tmp_path / "killed", data, kill, sync)
     assert killed.returncode == 0, killed.stderr[-3000:]
     assert re.search(r"exitcode: -9\) local_rank: 1", killed.stderr), killed.stderr[-3000:]
     assert "resume: restart 1 of the group: continuing from step 4" in killed.stderr
@@ -100,7 +106,7 @@ def test_a_rank_killed_mid_window_restarts_and_ends_as_the_uninterrupted_run(tmp
     # short by the kill, was never counted
     assert train_steps(tmp_path / "killed") == list(range(1, STEPS + 1))
 
-    whole = torchrun(tmp_path / "whole", data, {})
+    whole = torchrun(tmp_path / "whole", data, {}, sync)
     assert whole.returncode == 0, whole.stderr[-3000:]
     assert "resume:" not in whole.stderr
     assert train_steps(tmp_path / "whole") == list(range(1, STEPS + 1))
@@ -116,6 +122,23 @@ def test_a_rank_killed_mid_window_restarts_and_ends_as_the_uninterrupted_run(tmp
         for run in ("killed", "whole")
     ]  # fmt: skip
     assert losses[0] == losses[1]
+    if sync == "micro":
+        one_process_equals(tmp_path, data, losses[1], b)
+
+
+def one_process_equals(tmp_path, data, losses: list[float], weights: dict) -> None:
+    """One process with micro-batch 8 reads, window by window, the 16 sequences the 2 ranks
+    of micro-batch 4 read: the losses agree to fp32 rounding, the weights within what AdamW
+    makes of it (`adamw_drift_bound`)."""
+    config = TrainConfig(data=str(data), seq_len=32, micro_batch=8, accum_steps=2,
+                         max_steps=STEPS, eval_every=0, save_every=0, out=str(tmp_path / "one"))  # fmt: skip
+    train(config)
+    records = [r for r in read_metrics(tmp_path / "one" / "metrics.jsonl") if "loss" in r]
+    assert losses == pytest.approx([r["loss"] for r in records], rel=1e-5)
+    one = torch.load(tmp_path / "one" / "model.pt", weights_only=True)
+    bound = adamw_drift_bound([r["lr"] for r in records], ADAM_BETAS)
+    for key in one:
+        torch.testing.assert_close(weights[key], one[key], rtol=2**-20, atol=bound)
 
 
 @pytest.mark.slow

@@ -38,13 +38,14 @@ def records(out) -> list[dict]:
     return [r for r in read_metrics(os.path.join(out, "metrics.jsonl")) if "loss" in r]
 
 
-def two_nodes(out, data) -> list[subprocess.CompletedProcess]:
-    """The job run by two launchers (node ranks 0 and 1) meeting at a free port; node 0
-    hosts the rendezvous."""
+def two_nodes(out, data, sync: str) -> list[subprocess.CompletedProcess]:
+    """The job run by two launchers (node ranks 0 and 1) meeting at a free port under --sync
+    `sync`; node 0 hosts the rendezvous."""
     port = free_port()
     args = ["-m", "gradaccum", "train", "--data", str(data), "--out", str(out)]
     args += ["--seq-len", "32", "--micro-batch", "2", "--accum-steps", "2"]
     args += ["--max-steps", str(STEPS), "--save-every", "2", "--eval-every", "0", "--json"]
+    args += ["--sync", sync]
     started = {}
     for node in (0, 1):
         launcher = ["--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(node)]
@@ -55,16 +56,20 @@ def two_nodes(out, data) -> list[subprocess.CompletedProcess]:
     return list(finish(started, RUN_S).values())
 
 
-def test_two_launchers_train_as_one_process_over_the_same_global_windows(tmp_path):
+@pytest.mark.parametrize("sync", ["window", "hsdp"])
+def test_two_launchers_train_as_one_process_over_the_same_global_windows(tmp_path, sync):
+    """window: DDP over the 4 ranks; hsdp: FSDP2 over a 2 x 2 mesh, each node one replica
+    sharded over its 2 ranks, a reduce-scatter within the node per micro-batch and one
+    all-reduce across the nodes per window."""
     data = tmp_path / "markov.npy"
     np.save(data, MarkovCorpus().generate(60_000, seed=3).astype(np.uint16))
-    nodes = two_nodes(tmp_path / "nodes", data)
+    nodes = two_nodes(tmp_path / "nodes", data, sync)
     for node in nodes:
         assert node.returncode == 0, node.stderr[-3000:]
     printed = [node.stdout for node in nodes if node.stdout.strip()]
     assert len(printed) == 1  # global rank 0 alone prints, on whichever node it is
     summary = json.loads(printed[0])
-    assert summary["world_size"] == 4 and summary["accum_steps"] == 2
+    assert summary["world_size"] == 4 and summary["accum_steps"] == 2 and summary["sync"] == sync
     assert summary["tokens_per_step"] == 2 * 32 * 2 * 4 == 512
 
     one = train(
@@ -81,6 +86,13 @@ def test_two_launchers_train_as_one_process_over_the_same_global_windows(tmp_pat
     )
     assert one["tokens_per_step"] == 512 and summary["tokens"] == one["tokens"] == STEPS * 512
     four, single = records(tmp_path / "nodes"), records(tmp_path / "one")
+    for r in four:  # rank 0's gradient traffic per window
+        if sync == "hsdp":  # per unit: k reduce-scatters of its gradient within the node,
+            # then one all-reduce of its half (the node's shard) across the nodes
+            assert r["grad_collectives"] == (2 + 1) * r["grad_replica_collectives"] >= 3 * 2
+            assert r["grad_bytes"] == (2 * 2 + 1) * r["grad_replica_bytes"] > 0
+        else:
+            assert r["grad_collectives"] >= 1 and "grad_replica_collectives" not in r
     assert [r["step"] for r in four] == [r["step"] for r in single] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in four] == pytest.approx([r["loss"] for r in single], rel=1e-5)
     assert four[0]["grad_norm"] == pytest.approx(single[0]["grad_norm"], rel=1e-5)

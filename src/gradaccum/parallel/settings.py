@@ -20,7 +20,13 @@ class ParallelSettings:
     hangs is reported within this time, not after torch's 10-minute default."""
     sync: str | None = setting(None, "choice", choices=SYNC_CHOICES, default_text="window")
     """How data-parallel ranks sync the window's gradient: window (once, after the window's
-    last micro-batch; the whole fp32 gradient held until then), micro (a reduce-scatter into
-    an fp32 shard after every micro-batch), hsdp (a 2-D mesh of replicas x shards: a
-    reduce-scatter within the shard group after every micro-batch, one all-reduce across
-    replicas per window), auto (plan only: the fastest whose memory fits --device-memory)."""
+    last micro-batch; the whole fp32 gradient held until then; train: DDP), micro (a
+    reduce-scatter into an fp32 shard after every micro-batch; train: the model sharded by
+    FSDP2), hsdp (a 2-D mesh of replicas x shards: a reduce-scatter within the shard group
+    after every micro-batch, one all-reduce across replicas per window; train: each node one
+    replica), auto (plan only: the fastest whose memory fits --device-memory)."""
+
+    @property
+    def shards_model(self) -> bool:
+        """Whether the model is sharded with FSDP2: --sync micro or hsdp (window: DDP)."""
+        return self.sync in ("micro", "hsdp")

@@ -145,6 +145,7 @@ class TrainConfig(*reversed(COMPONENTS)):
         self._check_epochs()
         self._check_eval()
         self._check_lora()
+        self._check_sync()
         given = [n for n in EXCLUSIVE[1] if getattr(self, n) is not None]
         if len(given) > 1:
             raise BadInput(
@@ -153,6 +154,31 @@ class TrainConfig(*reversed(COMPONENTS)):
                 "give only one of --model, --model-config, --init-from "
                 f"(also got {flag_name(given[0])})",
             )
+
+    def _check_sync(self) -> None:
+        """--sync: window, micro or hsdp (auto is the planner's); micro and hsdp shard the
+        model with FSDP2, which --task grpo (generation differs by rank), --base-bits (the
+        quantised weights are not sharded) and --compile are not run with."""
+        if self.sync == "auto":
+            raise BadInput(
+                "--sync",
+                "auto",
+                "the planner's choice: see it with gradaccum plan --sync auto, then give "
+                "window, micro or hsdp",
+            )
+        if self.sync not in ("micro", "hsdp"):
+            return
+        for name, value, why in (
+            ("task", self.task if self.task == "grpo" else None, "each rank generates its own "
+             "completions, which a sharded model cannot; use --sync window"),
+            ("base_bits", self.base_bits, "a base in 4 or 8 bits is not sharded; use --sync "
+             "window"),
+            ("compile", self.compile or None, "not with a model sharded by FSDP2; use --sync "
+             "window to compile"),
+        ):  # fmt: skip
+            if value is not None:
+                shown = None if value is True else value
+                raise BadInput(flag_name(name), shown, f"with --sync {self.sync}: {why}")
 
     def _check_epochs(self) -> None:
         """--epochs: a length in passes over the data, with or without --max-steps or

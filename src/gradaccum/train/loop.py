@@ -33,7 +33,7 @@ from gradaccum.data.batches import Batches
 from gradaccum.engine.accumulator import Accumulator, StepResult
 from gradaccum.grpo.rewards import RewardError
 from gradaccum.models.loss import causal_lm_loss
-from gradaccum.parallel import devices
+from gradaccum.parallel import collectives, devices, sharding
 from gradaccum.parallel.process_group import RankInfo, init_distributed, teardown
 from gradaccum.train import adapters, grpo, micro_batch, moe, parts, sft, sft_plan, summary
 from gradaccum.train.batch_state import BatchState
@@ -147,6 +147,7 @@ class Run:
         self.data, self.model_info, self.resolved = data, model_info, resolved
         self.batch, self.schedule, self.outputs = batch, schedule, outputs
         self.notes = notes or []  # what a resume changed, one line each
+        self.sharded = config.shards_model  # --sync micro or hsdp: FSDP2 on every rank
         self.model = parts.place(model, config, rank_info)
         self.moe = moe.make(config, self.model)  # None for a dense model
         self.sft = data if config.task in ("sft", "grpo") else None
@@ -161,6 +162,7 @@ class Run:
             max_grad_norm=config.max_grad_norm or None,
             precision=config.precision,
             noise_scale=config.noise_scale,
+            sync=config.sync if self.sharded else "window",
             count_tokens=rl.counter(config.loss_type, config.max_completion_length)
             if self.policy is not None
             else "auto",
@@ -212,6 +214,7 @@ class Run:
     @classmethod
     def build(cls, config: TrainConfig, rank_info: RankInfo) -> Run:
         """The run `config` asks for: continued from --out's checkpoint on --resume."""
+        parts.check_sync(config, rank_info)
         return cls.resumed(config, rank_info) if config.resume else cls.fresh(config, rank_info)
 
     @classmethod
@@ -510,13 +513,15 @@ class Run:
     def _eval_due(self) -> bool:
         step, every = self.acc.steps, self.config.eval_every
         finished = self.batch.finished(step)
-        return self.is_main and (finished or bool(every and step % every == 0))
+        evaluates = self.is_main or self.sharded  # a sharded model's forward needs every rank
+        return evaluates and (finished or bool(every and step % every == 0))
 
     def evaluate_now(self) -> None:
-        """Rank 0: the eval loss (and on the built-in SFT set exact match) into metrics.jsonl
-        and a progress line; with --save-best a loss lower than any before makes this step's
-        checkpoint the best (`save_best`). Nothing without an eval set (a single SFT
-        example, --eval-fraction 0)."""
+        """Rank 0 (every rank when the model is sharded, rank 0 alone writing): the eval loss
+        (and on the built-in SFT set exact match) into metrics.jsonl and a progress line; with
+        --save-best a loss lower than any before makes this step's checkpoint the best
+        (`save_best`). Nothing without an eval set (a single SFT example, --eval-fraction
+        0)."""
         model, precision = parts.unwrapped(self.model), self.config.precision
         micro, step = self.batch.micro_batch, self.acc.steps
         if not len(self.data.val):
@@ -527,12 +532,21 @@ class Run:
             loss = evaluate(model, self.data.val, micro, self.device, precision, self.data.eod_id)
             fields, lines = {"eval_loss": loss}, [f"eval loss {loss:.4f}"]
         record = {"step": step, "tokens": self.batch.tokens, **fields}
-        self.write_record({**record, "elapsed_s": self.clock.elapsed()})
-        if self.config.save_best and self.outputs.best.improved_by(fields["eval_loss"]):
+        if self.is_main:
+            self.write_record({**record, "elapsed_s": self.clock.elapsed()})
+        if self.config.save_best and self._improved(fields["eval_loss"]):
             lines[0] += self.save_best(fields["eval_loss"])
         self.progress.note(f"step {step}: {lines[0]}")
         for line in lines[1:]:
             self.progress.note(line)
+
+    def _improved(self, eval_loss: float) -> bool:
+        """Whether `eval_loss` is the best so far, as rank 0 judges it (told to every rank of
+        a sharded model, which all join the checkpoint's gather)."""
+        improved = self.is_main and self.outputs.best.improved_by(eval_loss)
+        if self.sharded:
+            improved = bool(collectives.max_over_ranks(int(improved)))
+        return improved
 
     # ---- save, finish ------------------------------------------------------------------
 
@@ -541,7 +555,13 @@ class Run:
         return payload.trainer_state(self)
 
     def checkpoint_contents(self) -> tuple[dict, dict]:
-        """What a checkpoint of the run as it stands holds: (model state_dict, trainer state)."""
+        """What a checkpoint of the run as it stands holds: (model state_dict, trainer state);
+        a sharded model's gathered whole by every rank, kept by rank 0."""
+        if self.sharded:
+            model_state = sharding.full_state(self.model, self.is_main)
+            if not self.is_main:  # joins the optimizer state's gather; rank 0 writes
+                return model_state, {"optimizer": payload.optimizer_state(self)}
+            return model_state, self.trainer_state()
         return parts.unwrapped(self.model).state_dict(), self.trainer_state()
 
     def save(self) -> None:
@@ -567,13 +587,16 @@ class Run:
         if stopped:
             self.console.say(summary.stopped_line(stopped, step, self.batch.total, outputs))
         records, files = [], []
+        model = parts.unwrapped(self.model)
+        if self.sharded and stopped is None:  # gathered by every rank into rank 0's copy
+            model = parts.whole_model(self.model, config, self.data.info, self.is_main)
         if self.is_main:
             outputs.metrics.close()
             records = read_metrics(os.path.join(config.out, "metrics.jsonl"))
             files = ["metrics.jsonl", "config.yaml"]
             if stopped is None:  # model.pt (and out/hf), or LoRA's adapter/ (and merged/)
                 tokenizer = self.sft.tokenizer_dir if self.sft is not None else None
-                model, at = parts.unwrapped(self.model), f"step {step}/{self.batch.total}"
+                at = f"step {step}/{self.batch.total}"
                 files += outputs.export_model(model, self.model_info, tokenizer, at)
                 line = adapters.merge_line(model, config) if "merged/" in files else None
                 if line:  # --merge-lora on a base in 4 or 8 bits: what the merge changed

@@ -22,6 +22,7 @@ from gradaccum.models.checkpointing import set_checkpointing
 from gradaccum.models.info import ModelInfo
 from gradaccum.models.optimizer import adamw
 from gradaccum.models.quantized_spec import spec_of
+from gradaccum.parallel import sharding
 from gradaccum.parallel.process_group import RankInfo
 from gradaccum.train import adapters, eval_set, moe, sft
 from gradaccum.train.config import TrainConfig
@@ -152,7 +153,8 @@ def checkpoint_model(
 
 def place(model: torch.nn.Module, config: TrainConfig, rank_info: RankInfo) -> torch.nn.Module:
     """`model` on the rank's device with --activation-checkpointing and --compile, under DDP
-    when there are several ranks."""
+    when there are several ranks, or sharded with FSDP2 (`sharding.shard`) under --sync micro
+    or hsdp."""
     device = rank_info.device
     model.to(device)
     if config.activation_checkpointing and not set_checkpointing(model, True):
@@ -162,12 +164,49 @@ def place(model: torch.nn.Module, config: TrainConfig, rank_info: RankInfo) -> t
             f"{type(model).__name__} cannot recompute its "
             "activations (no set_activation_checkpointing or gradient_checkpointing_enable)",
         )
+    if config.shards_model:
+        world = rank_info.world_size
+        return sharding.shard(model, sharding.mesh_of(config.sync, world, device))
     if config.compile:  # before DDP, so the engine still sees DDP and its no_sync
         model = torch.compile(model)
     if rank_info.world_size > 1:
         ids = [device.index] if device.type not in ("cpu", "mps") else None
         model = DistributedDataParallel(model, device_ids=ids)
     return model
+
+
+def check_sync(config: TrainConfig, rank_info: RankInfo) -> None:
+    """--sync micro and hsdp shard over several ranks, hsdp over at least two nodes of at
+    least two ranks each (the replicas are the nodes); BadInput naming --sync otherwise."""
+    if not config.shards_model:
+        return
+    world = rank_info.world_size
+    if world == 1:
+        raise BadInput(
+            "--sync", config.sync, "one process has no ranks to sync: run it under torchrun"
+        )
+    per_node = sharding.per_node(world)
+    if config.sync == "hsdp" and sharding.hsdp_shape(world, per_node) is None:
+        raise BadInput(
+            "--sync",
+            "hsdp",
+            f"{world} ranks, {per_node} per node, do not make a mesh of replicas x shards "
+            "(each node one replica of at least 2 ranks, at least 2 nodes): use --sync micro",
+        )
+
+
+def whole_model(
+    model: torch.nn.Module, config: TrainConfig, data_info: DataInfo, keep: bool
+) -> torch.nn.Module | None:
+    """A model sharded with FSDP2 as one plain model on the CPU where `keep` (the run's
+    model built again, `new_model`, with the gathered weights), None elsewhere; a
+    collective: every rank calls it."""
+    state = sharding.full_state(model, keep)
+    if not keep:
+        return None
+    plain = new_model(config, data_info)[0]
+    plain.load_state_dict(state)
+    return plain
 
 
 def optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
@@ -183,7 +222,8 @@ def optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimi
 
 
 def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
-    """The model itself, under DDP's `module` and torch.compile's `_orig_mod`."""
+    """The model itself, under DDP's `module` and torch.compile's `_orig_mod` (a model sharded
+    with FSDP2 is the model itself, its parameters sharded)."""
     if isinstance(model, DistributedDataParallel):
         model = model.module
     return getattr(model, "_orig_mod", model)

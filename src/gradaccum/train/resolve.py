@@ -15,7 +15,7 @@ import torch
 from gradaccum.models import quantized
 from gradaccum.models.gpt import GPT, GPTConfig
 from gradaccum.models.info import ModelInfo
-from gradaccum.parallel import devices
+from gradaccum.parallel import devices, sharding
 from gradaccum.plan import Plan, PlanInputs, make_plan, render_table
 from gradaccum.train import adapters, micro_batch
 from gradaccum.train.batching import targets
@@ -126,6 +126,8 @@ def resolve_plan(
         base_bits=config.base_bits,  # QLoRA: the base's linear layers in 4 or 8 bits
         base_linear_weights=base_linears,
     )
+    if config.shards_model:  # FSDP2 shards parameters, gradients and optimizer state
+        base.update(sync=config.sync, zero=3, gpus_per_node=sharding.per_node(world_size))
     per_rank_seq = None if target is None else smallest // (seq_len * world_size)
     if target is not None and per_rank_seq < 1:
         what = ""

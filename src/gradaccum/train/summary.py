@@ -7,6 +7,7 @@ import math
 import os
 from typing import TYPE_CHECKING
 
+from gradaccum.parallel import sharding
 from gradaccum.plan.sizes import fmt_count
 from gradaccum.train import adapters, grpo, sft, sft_plan
 from gradaccum.train.epochs import pretrain_length_line
@@ -17,6 +18,20 @@ from gradaccum.utils.errors import DiskFull
 
 if TYPE_CHECKING:
     from gradaccum.train.loop import Run
+
+
+def sync_line(sync: str, world: int) -> str:
+    """What --sync micro or hsdp does with the model on `world` ranks, in one line."""
+    if sync == "micro":
+        return (
+            f"sync   micro: FSDP2 shards the model over {world} ranks, a reduce-scatter into "
+            "an fp32 shard after every micro-batch"
+        )
+    replicas, shards = sharding.hsdp_shape(world, sharding.per_node(world))
+    return (
+        f"sync   hsdp: FSDP2 over {replicas} nodes x {shards} ranks, a reduce-scatter within "
+        "the node after every micro-batch, one all-reduce across nodes per window"
+    )
 
 
 def opening_lines(run: Run) -> list[str]:
@@ -40,6 +55,8 @@ def opening_lines(run: Run) -> list[str]:
     ]
     lines[1:1] = [length_line(run)]  # after the table: the run's steps in epochs
     lines[3:3] = adapters.opening_lines(model_info)  # LoRA: targets, trainable parameters
+    if run.sharded:  # --sync micro or hsdp
+        lines.append(sync_line(config.sync, run.rank_info.world_size))
     if device.type == "cpu" and config.precision != "fp32":
         lines.append(
             f"note: {config.precision} on CPU is usually several times slower than fp32 "
@@ -206,6 +223,7 @@ def summary(run: Run, records: list[dict], stopped: str | None, wall_s: float) -
         "micro_batch": batch.micro_batch,
         "accum_steps": batch.k,
         "world_size": batch.world_size,
+        "sync": run.config.sync or "window",
         # --task sft: the mean counted (target) tokens of a step, which vary by window
         "tokens_per_step": batch.tokens // max(steps, 1) if sft else batch.tokens_per_step,
         "examples_per_step": config.examples_per_step,

@@ -37,9 +37,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from gradaccum.engine.accumulator import Accumulator
-from gradaccum.models.checkpointing import outer_lists
 from gradaccum.models.loss import IGNORE_INDEX, causal_lm_loss
 from gradaccum.moe.balance import Balance
+from gradaccum.parallel import sharding
 from gradaccum.parallel.process_group import RankInfo, aligned_windows
 from gradaccum.plan.sync import POLICIES
 from gradaccum.verification.moe_check import moe_big_batch
@@ -299,20 +299,13 @@ def rank_batches(setup: EquivalenceSetup, rank: int) -> list[dict]:
 
 
 def wrap(model: torch.nn.Module, wrapper: str, mesh=None) -> torch.nn.Module:
-    """`model` under DDP, or sharded with FSDP2: each block of every outermost ModuleList (a
-    block's own lists, a mixture of experts' experts, go with it), then the root; over `mesh`
-    (a DeviceMesh; None: FSDP2's default, every rank in one shard group)."""
+    """`model` under DDP, or sharded with FSDP2 over `mesh` (`sharding.shard`: each block,
+    then the root; None: every rank in one shard group)."""
     if wrapper == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         return DistributedDataParallel(model)
-    from torch.distributed.fsdp import fully_shard
-
-    for blocks in outer_lists(model):
-        for block in blocks:
-            fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
+    return sharding.shard(model, mesh)
 
 
 def hsdp_mesh(setup: EquivalenceSetup, device: torch.device):
@@ -322,8 +315,7 @@ def hsdp_mesh(setup: EquivalenceSetup, device: torch.device):
         return None
     from torch.distributed.device_mesh import init_device_mesh
 
-    names = ("replicate", "shard")
-    return init_device_mesh(device.type, setup.mesh_shape, mesh_dim_names=names)
+    return init_device_mesh(device.type, setup.mesh_shape, mesh_dim_names=sharding.MESH_NAMES)
 
 
 def run_check_rank(

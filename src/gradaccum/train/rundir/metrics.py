@@ -82,7 +82,18 @@ def window_record(result, seconds: float, batch, elapsed_s: float) -> dict:
         "skipped": result.skipped,
         "elapsed_s": elapsed_s,
         **noise_fields(result),
+        **traffic_fields(result),
     }
+
+
+def traffic_fields(result) -> dict:
+    """The gradient collectives and bytes this rank launched in the window (`StepResult`),
+    HSDP's part across replicas apart; none on one process."""
+    fields = {"grad_collectives": result.grad_collectives, "grad_bytes": result.grad_bytes}
+    if result.grad_replica_collectives:
+        fields["grad_replica_collectives"] = result.grad_replica_collectives
+        fields["grad_replica_bytes"] = result.grad_replica_bytes
+    return fields if result.grad_collectives else {}
 
 
 def noise_fields(result) -> dict:

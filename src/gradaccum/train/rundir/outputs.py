@@ -105,7 +105,9 @@ class Outputs:
         """config.yaml, metrics.jsonl and the trackers (`Trackers.start`)."""
         config = self.config
         header = "gradaccum train settings as chosen; gradaccum train --config this-file"
-        write_text_atomic(os.path.join(config.out, SETTINGS_FILE), to_yaml(config.sections(), header))
+        write_text_atomic(
+            os.path.join(config.out, SETTINGS_FILE), to_yaml(config.sections(), header)
+        )
         path = os.path.join(config.out, "metrics.jsonl")
         self.metrics = MetricsWriter(path, self._metrics_lines)
         if config.trackers:
@@ -172,6 +174,8 @@ class Outputs:
         KeyboardInterrupt's text."""
         if step == self.last_saved:
             return
+        if self.config.shards_model:  # every rank joins the gather of the sharded state
+            contents = _gathered(contents)
         if not self.is_main:
             self.saved_step = step  # rank 0 writes it; the others cannot tell
         elif step != self.saved_step:  # not already written as a new best (`save_best`)
@@ -190,8 +194,13 @@ class Outputs:
         """--save-best on rank 0, at an evaluation that found a lower eval loss: `best` made
         the best and its step's checkpoint written now, a save step or not, its trainer state
         (`contents()`) naming it. The other ranks do not evaluate: they wait in the next
-        window's collectives, and a `save` of the same step only joins them. False when it
-        could not be written (said through `note`): the best stays the previous one."""
+        window's collectives, and a `save` of the same step only joins them; with a sharded
+        model they evaluate too and join the gather here. False when it could not be written
+        (said through `note`): the best stays the previous one."""
+        if self.config.shards_model:
+            contents = _gathered(contents)
+            if not self.is_main:
+                return True
         previous, self.best = self.best, best
         if not self._write(best.step, contents, model_config, note):
             self.best = previous
@@ -331,6 +340,13 @@ class Outputs:
             return f"none is in {root} yet"
         path = os.path.join(root, f"step-{self.saved_step:08d}")
         return f"the one at step {self.saved_step} is still there ({path})"
+
+
+def _gathered(contents: Callable[[], tuple[dict, dict]]) -> Callable[[], tuple[dict, dict]]:
+    """`contents` called now (a sharded model's: a collective every rank joins), returned
+    as a callable for rank 0's write."""
+    made = contents()
+    return lambda: made
 
 
 def _to(into: str) -> str:

@@ -7,7 +7,9 @@ batch as trained (`BatchState`: the plan, the micro-batch and k now, the batch s
 growth, tokens seen), the LR schedule, the run's progress (`RunState`: seconds, first loss),
 --save-best's best so far (`best.Best`: step, eval loss, eval set) and a mixture of experts'
 balance (its mode and the previous window's f, `train.moe`); with them the RNG states, the
-settings and how many metrics.jsonl lines the checkpoint saw. Only tensors and plain
+settings and how many metrics.jsonl lines the checkpoint saw. A model sharded with FSDP2
+(--sync micro, hsdp) saves the optimizer's state whole, as an unsharded run's, so that
+either kind of run resumes from either's checkpoint. Only tensors and plain
 containers, so it loads with torch.load(weights_only=True).
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
+from gradaccum.parallel import sharding
 from gradaccum.train.moe import STATE_KEY as MOE_STATE
 from gradaccum.train.rundir import best, checkpoint
 from gradaccum.utils.errors import BadInput
@@ -50,7 +53,7 @@ def trainer_state(run: Run) -> dict:
     batch = run.batch.state_dict()
     payload = {
         "step": run.acc.steps,
-        "optimizer": run.optimizer.state_dict(),
+        "optimizer": optimizer_state(run),
         "scheduler": run.scheduler.state_dict(),
         "accumulator": run.acc.state_dict(),
         "data": run.batches.state_dict(),
@@ -69,13 +72,24 @@ def trainer_state(run: Run) -> dict:
     return payload
 
 
+def optimizer_state(run: Run) -> dict:
+    """The optimizer's state as an unsharded run's optimizer holds it: a sharded model's
+    gathered whole by every rank (`sharding.full_optimizer_state`), kept by rank 0."""
+    if run.sharded:
+        return sharding.full_optimizer_state(run.optimizer, run.is_main)
+    return run.optimizer.state_dict()
+
+
 def restore(run: Run, payload: dict) -> list[str]:
     """Put `payload` back into `run`, built for it, with the settings of `run.config` where a
     resume changed them on purpose (lr, weight decay: `resume.applied_changes`); the lines
     that say what else changed (a best checkpoint looked for anew, a mixture of experts'
     balance mode)."""
     config, optimizer, scheduler = run.config, run.optimizer, run.scheduler
-    optimizer.load_state_dict(payload["optimizer"])
+    if run.sharded:  # each tensor laid out as its parameter
+        sharding.load_optimizer_state(optimizer, payload["optimizer"])
+    else:
+        optimizer.load_state_dict(payload["optimizer"])
     scheduler.load_state_dict(payload["scheduler"])
     # The optimizer's saved hyperparameters give way to the settings as (re)given.
     scheduler.base_lrs = [config.lr] * len(optimizer.param_groups)

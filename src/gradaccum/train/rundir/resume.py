@@ -345,10 +345,20 @@ def applied_changes(config: TrainConfig, ckpt) -> list[str]:
     for name in FLAGS:
         if name in INVOCATION or name in REFUSED or name in SPECIAL or name not in saved:
             continue
-        if getattr(config, name) != saved[name]:
+        old, new = _shown(name, saved[name]), _shown(name, getattr(config, name))
+        if new != old:
             label = flag_name(name).removeprefix("--")
-            lines.append(f"{label} {saved[name]} -> {getattr(config, name)} from step {ckpt.step}")
+            lines.append(f"{label} {old} -> {new} from step {ckpt.step}")
     return lines
+
+
+def _shown(name: str, value):
+    """A setting's value as a resume line says it: a choice left unset as its default
+    (--sync: window)."""
+    spec = FLAGS[name]
+    if value is None and spec.kind == "choice" and spec.default_text in spec.choices:
+        return spec.default_text
+    return value
 
 
 def check_metrics(config: TrainConfig, ckpt) -> None:

@@ -1,0 +1,117 @@
+"""A model sharded with FSDP2 for a run: the units, the mesh a sync policy needs, and its
+whole state gathered and given back.
+
+`shard` applies `fully_shard` to each block of the model's lists of blocks, then to the root
+(the units the engine and `verify` count by). `mesh_of` is the DeviceMesh of a policy: every
+rank in one shard group for "micro"; for "hsdp" a 2-D mesh of replicas x shards whose replica
+dimension is the nodes (torchrun's LOCAL_WORLD_SIZE ranks per node shard the model, each node
+holds one replica). `full_state` and `full_optimizer_state` are collectives that give one
+process the state a plain model and its optimizer would hold (whole tensors, the optimizer
+keyed by parameter index), so that a sharded run's checkpoint is the same file as an
+unsharded one's; `load_optimizer_state` puts such a state back, each tensor sharded as its
+parameter is.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from gradaccum.models.checkpointing import outer_lists
+
+MESH_NAMES = ("replicate", "shard")
+"""The dimensions of an HSDP mesh, the replica one first."""
+
+
+def shard(model: torch.nn.Module, mesh=None) -> torch.nn.Module:
+    """`fully_shard` on each block of every outermost ModuleList (a block's own lists, a
+    mixture of experts' experts, go with it), then on the root, over `mesh` (None: FSDP2's
+    default, every rank in one shard group); the model, sharded in place."""
+    from torch.distributed.fsdp import fully_shard
+
+    for blocks in outer_lists(model):
+        for block in blocks:
+            fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def per_node(world: int) -> int:
+    """Ranks per node of a job of `world` ranks: torchrun's LOCAL_WORLD_SIZE (all of them
+    without it, or where it does not divide `world`)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return local if local > 0 and world % local == 0 else world
+
+
+def hsdp_shape(world: int, per_node: int) -> tuple[int, int] | None:
+    """(replicas, shards) of an HSDP mesh whose replicas are the nodes: `per_node` ranks shard
+    the model, world / per_node nodes replicate it; None when the ranks are not at least two
+    nodes of at least two ranks each."""
+    if per_node < 2 or world % per_node or world // per_node < 2:
+        return None
+    return world // per_node, per_node
+
+
+def mesh_of(sync: str, world: int, device: torch.device):
+    """The DeviceMesh `sync` shards over: None (every rank, FSDP2's default) for "micro", the
+    2-D (replicas, shards) mesh of `hsdp_shape` for "hsdp", the nodes its replicas."""
+    if sync != "hsdp":
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = hsdp_shape(world, per_node(world))
+    return init_device_mesh(device.type, shape, mesh_dim_names=MESH_NAMES)
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether `model`'s root was sharded by `shard`."""
+    return hasattr(model, "set_requires_gradient_sync") and hasattr(model, "reshard")
+
+
+def _whole(value, keep: bool):
+    """A DTensor all-gathered into one plain tensor on the CPU where `keep`, else dropped
+    (None); any other value as it is."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(value, DTensor):
+        return value
+    whole = value.full_tensor()  # a collective: every rank calls it, in the same order
+    return whole.cpu() if keep else None
+
+
+def full_state(model: torch.nn.Module, keep: bool) -> dict:
+    """The sharded `model`'s state_dict with every tensor whole, on the CPU; every rank must
+    call it (one all-gather per tensor, in order). Ranks that do not `keep` get None values."""
+    return {name: _whole(value, keep) for name, value in model.state_dict().items()}
+
+
+def full_optimizer_state(optimizer: torch.optim.Optimizer, keep: bool) -> dict:
+    """`optimizer.state_dict()` with each sharded state tensor whole (exp_avg, exp_avg_sq):
+    what the optimizer of the unsharded model holds, keyed by parameter index as torch keys
+    it. A collective like `full_state`."""
+    state = optimizer.state_dict()  # its per-parameter dicts are the optimizer's own
+    whole = {
+        index: {name: _whole(value, keep) for name, value in per_param.items()}
+        for index, per_param in state["state"].items()
+    }
+    return {**state, "state": whole}
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """A state of `full_optimizer_state` (or an unsharded run's) into the optimizer of the
+    sharded model: loaded, then each tensor shaped as its parameter laid out as the
+    parameter is (`distribute_tensor` over its mesh). Every rank calls it with the same
+    state."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    optimizer.load_state_dict(state)
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if not isinstance(param, DTensor):
+                continue
+            per_param = optimizer.state.get(param, {})
+            for name, value in per_param.items():
+                if torch.is_tensor(value) and value.shape == param.shape:
+                    local = value.to(param.device)
+                    per_param[name] = distribute_tensor(local, param.device_mesh, param.placements)
