@@ -32,7 +32,7 @@ def config(out, data, **kw) -> TrainConfig:
     return TrainConfig(**{**base, "save_every": 1, "keep_checkpoints": 4, **kw})
 
 
-def _train_with_failure(info, out, data, fail_rank, fail_at):
+def _train_with_failure(info, out, data, fail_rank, fail_at, sync="window"):
     from gradaccum.train import loop
 
     if info.rank == fail_rank:
@@ -46,7 +46,7 @@ def _train_with_failure(info, out, data, fail_rank, fail_at):
             return out
 
         loop.causal_lm_loss = failing
-    run_config = loop.prepare(config(out, data, micro_batch=4, accum_steps=K))
+    run_config = loop.prepare(config(out, data, micro_batch=4, accum_steps=K, sync=sync))
     summary = loop.Run.build(run_config, info).train(None)
     return [summary["steps"], summary["micro_batch"], summary["accum_steps"]]
 
@@ -104,3 +104,33 @@ def test_one_rank_out_of_memory_mid_window_is_redone_by_all(tmp_path, fail_rank,
 
 def _optimizer_state(out) -> dict:
     return checkpoint.load(checkpoint.find_latest(str(out))).trainer_state["optimizer"]
+
+
+def _stopped_by(info, out, data) -> str:
+    """A --sync micro run whose rank 1 runs out of memory mid-window: each rank's one line."""
+    from gradaccum.utils.errors import RanksLost, RunFailed
+
+    try:
+        _train_with_failure(info, out, data, 1, K + 3, sync="micro")
+    except (RunFailed, RanksLost) as err:
+        return str(err)
+    return "finished"
+
+
+@pytest.mark.slow
+def test_out_of_memory_under_a_sharded_model_stops_in_one_line(tmp_path):
+    """Under --sync micro the other rank waits in the failed micro-step's reduce-scatter:
+    no window can be redone together. The failed rank stops the run naming the smaller
+    micro-batch to resume with; the other ends when that process does, in one line too; the
+    step-1 checkpoint is there."""
+    data = tmp_path / "markov.npy"
+    np.save(data, MarkovCorpus().generate(40_000, seed=1).astype(np.uint16))
+    out = tmp_path / "two"
+    lines = run_ranks(_stopped_by, 2, args=(str(out), str(data)), timeout_s=240)
+    assert lines[1].startswith(
+        "rank 1: out of memory in step 2 (CUDA out of memory (injected)); a model sharded by "
+        "--sync micro cannot redo the window smaller"
+    ), lines
+    assert lines[1].endswith("continue with --resume --micro-batch 2 (the tokens per step stay)")
+    assert lines[0].startswith("rank 0 of 2: another rank stopped answering"), lines
+    assert checkpoint.find_latest(str(out)).endswith("step-00000001")

@@ -100,18 +100,24 @@ def full_optimizer_state(optimizer: torch.optim.Optimizer, keep: bool) -> dict:
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
     """A state of `full_optimizer_state` (or an unsharded run's) into the optimizer of the
-    sharded model: loaded, then each tensor shaped as its parameter laid out as the
-    parameter is (`distribute_tensor` over its mesh). Every rank calls it with the same
-    state."""
+    sharded model, each tensor shaped as its parameter laid out as the parameter is
+    (`distribute_tensor` over its mesh), one at a time, so that no more than one whole tensor
+    is on the device at once. Every rank calls it with the same state."""
+    saved = [i for group in state["param_groups"] for i in group["params"]]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    by_index = dict(zip(saved, params, strict=True))
+    laid_out = {
+        index: {name: _laid_out(value, by_index[index]) for name, value in per_param.items()}
+        for index, per_param in state["state"].items()
+    }
+    optimizer.load_state_dict({**state, "state": laid_out})
+
+
+def _laid_out(value, param: torch.Tensor):
+    """`value`, a whole tensor of `param`'s shape, as a DTensor laid out as the sharded
+    `param` is; any other value as it is."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    optimizer.load_state_dict(state)
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            if not isinstance(param, DTensor):
-                continue
-            per_param = optimizer.state.get(param, {})
-            for name, value in per_param.items():
-                if torch.is_tensor(value) and value.shape == param.shape:
-                    local = value.to(param.device)
-                    per_param[name] = distribute_tensor(local, param.device_mesh, param.placements)
+    if not (isinstance(param, DTensor) and torch.is_tensor(value) and value.shape == param.shape):
+        return value
+    return distribute_tensor(value.to(param.device), param.device_mesh, param.placements)

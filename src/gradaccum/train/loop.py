@@ -172,9 +172,9 @@ class Run:
         self.window_fields: dict = {}  # --task grpo: the last window's rewards and lengths
         self.sft_plan: sft_plan.SFTPlan | None = None  # --task sft: what its steps hold
         abandon = self.moe.abandon if self.moe is not None else None
-        self.recovery = Recovery(
-            self.acc, self.batches, batch, rank_info, self._shrunk, config.dist_timeout, abandon
-        )
+        sharded = config.sync if self.sharded else None
+        self.recovery = Recovery(self.acc, self.batches, batch, rank_info, self._shrunk,
+                                 config.dist_timeout, abandon, sharded)  # fmt: skip
         self.state = RunState()
         self.progress: Progress | None = None  # the bar or log lines, while the loop runs
         self.clock = Clock()

@@ -13,8 +13,10 @@ i+1's with OUT_OF_MEMORY; the others read it before micro-step i+2's forward, or
 last's (on one rank, no flags). So the others may run one micro-step the failed rank does
 not, always one of micro-steps 1 .. k-2: under DDP's no_sync those run no collective (DDP's
 forward broadcasts buffers only after a synced backward, i.e. in micro-step 0), so nothing
-waits on the failed rank there. A wrapper with collectives in every forward (FSDP2's
-all-gathers) would need each flag read before its own forward.
+waits on the failed rank there. A model sharded by FSDP2 (--sync micro, hsdp) has collectives in every
+forward and backward, in which the other ranks wait for a rank that ran out of memory: that
+rank stops the run in one line naming the smaller --micro-batch to resume with, and the others
+end when its process does.
 
 An abandoned window is rewound (nothing stepped, nothing counted, the data and the RNG back at
 its start, as the last checkpoint would be); after out of memory it is redone from its first
@@ -57,8 +59,11 @@ class Recovery:
         report: Callable[[str, dict], None],
         timeout_s: float | None = None,
         on_abandon: Callable[[], None] | None = None,
+        sharded: str | None = None,
     ):
         self.acc, self.batches, self.batch = acc, batches, batch
+        self.sharded = sharded
+        """--sync micro or hsdp: a model sharded by FSDP2, whose windows are not redone."""
         self.on_abandon = on_abandon
         self.rank_info, self.report = rank_info, report
         self.micro_index = -1
@@ -137,6 +142,17 @@ class Recovery:
         info = self.rank_info
         if info.world_size == 1:
             return True
+        if self.sharded:  # the others wait in this micro-step's all-gathers or reduce-scatter
+            smaller = smaller_micro_batch(self.batch.micro_batch)
+            advice = (
+                f"--resume --micro-batch {smaller}" if smaller else "--activation-checkpointing"
+            )
+            raise RunFailed(
+                f"rank {info.rank}: out of memory in step {self.acc.steps + 1} ({error}); a "
+                f"model sharded by --sync {self.sharded} cannot redo the window smaller (the "
+                f"other ranks are inside its collectives); continue with {advice} (the tokens "
+                "per step stay)"
+            )
         if not 0 <= self.micro_index < self.batch.k - 1:
             smaller = smaller_micro_batch(self.batch.micro_batch)
             advice = (
