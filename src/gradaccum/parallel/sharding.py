@@ -64,11 +64,6 @@ def mesh_of(sync: str, world: int, device: torch.device):
     return init_device_mesh(device.type, shape, mesh_dim_names=MESH_NAMES)
 
 
-def is_sharded(model: torch.nn.Module) -> bool:
-    """Whether `model`'s root was sharded by `shard`."""
-    return hasattr(model, "set_requires_gradient_sync") and hasattr(model, "reshard")
-
-
 def _whole(value, keep: bool):
     """A DTensor all-gathered into one plain tensor on the CPU where `keep`, else dropped
     (None); any other value as it is."""

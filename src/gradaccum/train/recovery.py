@@ -143,30 +143,29 @@ class Recovery:
         if info.world_size == 1:
             return True
         if self.sharded:  # the others wait in this micro-step's all-gathers or reduce-scatter
-            smaller = smaller_micro_batch(self.batch.micro_batch)
-            advice = (
-                f"--resume --micro-batch {smaller}" if smaller else "--activation-checkpointing"
-            )
             raise RunFailed(
                 f"rank {info.rank}: out of memory in step {self.acc.steps + 1} ({error}); a "
                 f"model sharded by --sync {self.sharded} cannot redo the window smaller (the "
-                f"other ranks are inside its collectives); continue with {advice} (the tokens "
-                "per step stay)"
+                f"other ranks are inside its collectives); continue with {self._advice()} (the "
+                "tokens per step stay)"
             )
         if not 0 <= self.micro_index < self.batch.k - 1:
-            smaller = smaller_micro_batch(self.batch.micro_batch)
-            advice = (
-                f"--resume --micro-batch {smaller}" if smaller else "--activation-checkpointing"
-            )
             raise RunFailed(
                 f"rank {info.rank}: out of memory in step {self.acc.steps + 1} "
                 f"outside the window's first k-1 micro-batches ({error}), where the ranks "
-                f"cannot redo it together; continue with {advice} (the tokens per step stay)"
+                f"cannot redo it together; continue with {self._advice()} (the tokens per step "
+                "stay)"
             )
         seen = self._read_pending()
         if seen == GO:
             collectives.max_over_ranks(OUT_OF_MEMORY, self.group)
         return seen != STOP  # OUT_OF_MEMORY: another rank failed first and told them already
+
+    def _advice(self) -> str:
+        """How to continue after an out of memory the ranks cannot redo together: resume
+        with the next smaller micro-batch, or recompute the activations at micro-batch 1."""
+        smaller = smaller_micro_batch(self.batch.micro_batch)
+        return f"--resume --micro-batch {smaller}" if smaller else "--activation-checkpointing"
 
     def _shrink(self, error: str) -> None:
         """The batch shrunk (`BatchState.shrink`), the device's cache emptied, the event
