@@ -19,28 +19,34 @@ from gradaccum.grpo.rewards import (
 )
 from gradaccum.utils.errors import BadInput
 
-# (prompt, completion, stopped with EOS, exact match by hand, format by hand)
+# (prompt, completion, stopped with EOS, exact match, partial match, format: each by hand)
 CASES = [
-    ("reverse: cab\n", "bac", True, 1, 1),
-    ("sort: cab\n", "abc", True, 1, 1),
-    ("add: 37+5\n", "42", False, 1, 0),  # right, but cut at the budget
-    ("count b: abcbba\n", "3", True, 1, 1),
-    ("add: 1+1\n", "2x", True, 0, 0),  # x is no digit
-    ("reverse: ab\n", "", True, 0, 0),  # empty
-    ("reverse: ab\n", "ab", True, 0, 1),  # wrong, well formed
-    ("sort: cab\n", "12", True, 0, 0),  # digits for a letters task
-    ("count a: aa\n", "b", True, 0, 0),  # a letter for a count
-    ("add: 9+9\n", "17", True, 0, 1),
+    ("reverse: cab\n", "bac", True, 1, 1, 1),
+    ("sort: cab\n", "abc", True, 1, 1, 1),
+    ("add: 37+5\n", "42", False, 1, 1, 0),  # right, but cut at the budget
+    ("count b: abcbba\n", "3", True, 1, 1, 1),
+    ("add: 1+1\n", "2x", True, 0, 1 / 2, 0),  # x is no digit; "2" right, one too many
+    ("reverse: ab\n", "", True, 0, 0, 0),  # empty
+    ("reverse: ab\n", "ab", True, 0, 0, 1),  # wrong, well formed
+    ("sort: cab\n", "12", True, 0, 0, 0),  # digits for a letters task
+    ("count a: aa\n", "b", True, 0, 0, 0),  # a letter for a count
+    ("add: 9+9\n", "17", True, 0, 1 / 2, 1),  # 18: the 1 right
+    ("sort: cab\n", "abcd", True, 0, 3 / 4, 1),  # one letter too many
+    ("reverse: abc\n", "cb", True, 0, 2 / 3, 1),  # cba: one letter short
 ]
 
 
 def test_builtin_rewards_by_hand():
-    prompts, completions, stopped, exact, form = (list(x) for x in zip(*CASES, strict=True))
+    prompts, completions, stopped, exact, partial, form = (
+        list(x) for x in zip(*CASES, strict=True)
+    )
     rewards = builtin_rewards()
-    assert [(r.name, r.weight) for r in rewards] == [("exact_match", 1.0), ("format", 0.2)]
+    assert [(r.name, r.weight) for r in rewards] == [
+        ("exact_match", 1.0), ("partial_match", 1.0), ("format", 0.2)]  # fmt: skip
     total, per = score(rewards, prompts, completions, {"stopped": stopped})
-    assert per == {"exact_match": exact, "format": form}
-    by_hand = [1.2, 1.2, 1.0, 1.2, 0.0, 0.0, 0.2, 0.0, 0.0, 0.2]
+    assert per["exact_match"] == exact and per["format"] == form
+    assert per["partial_match"] == pytest.approx(partial, abs=1e-12)
+    by_hand = [2.2, 2.2, 2.0, 2.2, 0.5, 0.0, 0.2, 0.0, 0.0, 0.7, 0.95, 2 / 3 + 0.2]
     assert total == pytest.approx(by_hand, abs=1e-12)
 
 

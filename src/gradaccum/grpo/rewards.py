@@ -18,7 +18,8 @@ Where they come from (`load_rewards`): --reward "module:function,..." (a module 
 from the working directory, as `python -m` finds it, or from the Python path; a dotted path;
 or a file, `path/to/file.py:function`), weighted by --reward-weights "w,..." (1 each when not
 given). Without --reward, `builtin_rewards()`: for the built-in instruction set
-(`gradaccum.data.sft.builtin`), exact match (weight 1) and format (weight 0.2).
+(`gradaccum.data.sft.builtin`), exact match (weight 1), partial match (weight 1) and format
+(weight 0.2).
 
 Errors: before any sampling `probe` calls each function once on stand-in completions, so a
 function that cannot work stops the run at once with one line naming it (BadInput, exit 2);
@@ -45,6 +46,7 @@ __all__ = [
     "builtin_rewards",
     "format_reward",
     "exact_match_reward",
+    "partial_match_reward",
     "load_rewards",
     "probe",
     "score",
@@ -87,6 +89,21 @@ def exact_match_reward(prompts: list[str], completions: list[str], **columns) ->
     return [float(builtin.check(p, c)) for p, c in zip(prompts, completions, strict=True)]
 
 
+def partial_match_reward(prompts: list[str], completions: list[str], **columns) -> list[float]:
+    """The share of the answer's characters the completion has at their place: the positions
+    i where completion[i] == answer[i], over the longer of the two lengths (so a completion
+    too long or too short loses the positions it lacks or adds). 1.0 exactly where exact
+    match is 1; "acb" for "abc" scores 1/3, "abcd" 3/4, "" 0. The partial credit makes most
+    groups' rewards differ where few completions are right, so most prompts give a gradient.
+    ValueError for a prompt of no built-in task."""
+    found = []
+    for p, c in zip(prompts, completions, strict=True):
+        answer = builtin.solve(p)
+        same = sum(a == b for a, b in zip(c, answer, strict=False))
+        found.append(same / max(len(c), len(answer)))
+    return found
+
+
 def format_reward(
     prompts: list[str], completions: list[str], stopped: list[bool], **columns
 ) -> list[float]:
@@ -108,10 +125,12 @@ def _alphabet(prompt: str) -> set[str]:
 
 
 def builtin_rewards() -> list[RewardFn]:
-    """The rewards used without --reward: exact match (1.0) and format (0.2), so a completion
-    that answers in the right form scores something before it answers right."""
+    """The rewards used without --reward: exact match (1.0), partial match (1.0) and format
+    (0.2), so a completion that answers in the right form, or partly right, scores something
+    before it answers right."""
     return [
         RewardFn("exact_match", exact_match_reward, 1.0),
+        RewardFn("partial_match", partial_match_reward, 1.0),
         RewardFn("format", format_reward, 0.2),
     ]
 

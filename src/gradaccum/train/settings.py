@@ -39,7 +39,7 @@ training examples (TRL's num_train_epochs). The built-in set runs TASK_DEFAULTS'
 TASK_DEFAULTS = {
     "pretrain": {"micro_batch": "auto", "lr": 3e-3, "eval_every": 50},
     "sft": {"micro_batch": 16, "lr": 2e-3, "eval_every": 300, "max_steps": 1200},
-    "grpo": {"micro_batch": 16, "lr": 1e-4, "eval_every": 20, "max_steps": 60},
+    "grpo": {"micro_batch": 16, "lr": 2e-4, "eval_every": 20, "max_steps": 100},
 }
 """`gradaccum train`'s defaults that depend on --task, for the fields left None when not
 given. The SFT ones make the default `gradaccum train --task sft` (the built-in byte-level
