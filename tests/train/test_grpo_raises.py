@@ -4,7 +4,8 @@ test size. An SFT stage on the built-in count task from rows whose answers end w
 "." and none is exact; then GRPO from that model with the built-in rewards (exact match,
 partial match, format), which score the bare answer. Exact match on prompts neither stage
 saw is measured here by a greedy loop of its own (argmax, token by token), not by the run's
-evaluation, and the run's own held-out figure must agree that it rose."""
+evaluation, and the run's own held-out figures (greedy, and the exact match of completions
+sampled from held-out prompts) must agree that it rose."""
 
 import json
 import random
@@ -82,11 +83,13 @@ def test_grpo_raises_held_out_exact_match(tmp_path):
     after, stray_after = measured(tmp_path / "grpo")
     records = read_metrics(str(tmp_path / "grpo" / "metrics.jsonl"))
     evaluated = [r["exact_match"] for r in records if "exact_match" in r]
+    sampled = [r["eval_reward_exact_match"] for r in records if "exact_match" in r]
     print(f"exact match {before:.3f} -> {after:.3f}, stray '.' {stray_before:.3f} -> "
-          f"{stray_after:.3f}; the run's held-out split {evaluated}")  # fmt: skip
+          f"{stray_after:.3f}; the run's held-out split {evaluated}, sampled {sampled}")  # fmt: skip
     # SFT learned the stray "." (every greedy answer has it, none is exact); six GRPO steps
     # of 16 prompts x 8 take it away: the answers' content, right for about a fifth of these
     # prompts after 40 SFT steps, now counts
     assert stray_before > 0.9 and before < 0.02, (stray_before, before)
     assert stray_after < 0.2 and after > before + 0.1, (stray_after, after)
     assert len(evaluated) == 2 and evaluated[1] > evaluated[0] + 0.1, evaluated
+    assert sampled[1] > sampled[0] + 0.01, sampled  # the held-out samples' exact match too

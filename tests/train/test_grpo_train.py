@@ -142,3 +142,23 @@ def test_the_policy_learns_what_the_reward_asks(tmp_path, rewards):
     steps = [r for r in records(tmp_path / "run") if "reward" in r]
     first, last = steps[0]["reward"], steps[-1]["reward"]
     assert first < 0.05 and last > 0.5, [round(r["reward"], 3) for r in steps]
+
+
+def test_a_run_stopped_between_its_sft_stage_and_its_first_grpo_checkpoint_resumes(
+    tmp_path, capsys
+):
+    # --out holds the finished SFT stage (out/sft) and nothing of GRPO's own (killed before
+    # its first checkpoint): a rerun without --resume is told to add it, and --resume then
+    # starts the GRPO stage from that model (it used to say there was no checkpoint)
+    out = tmp_path / "run"
+    train(TrainConfig(task="sft", model="tiny", out=str(out / "sft"), seq_len=64, max_steps=2,
+                      eval_fraction=0, save_every=0))  # fmt: skip
+    argv = ["train", "--task", "grpo", "--out", str(out), "--seq-len", "64",
+            "--prompts-per-step", "2", "--num-generations", "2", "--max-completion-length", "4",
+            "--max-steps", "1", "--eval-fraction", "0"]  # fmt: skip
+    line = one_line_error(capsys, argv, stdout_empty=False)
+    assert "holds a previous run; add --resume" in line, line
+    assert main([*argv, "--resume"]) == 0
+    steps = [r for r in records(out) if "loss" in r]
+    assert [r["step"] for r in steps] == [1] and steps[0]["completions"] == 4
+    assert (out / "model.pt").exists()

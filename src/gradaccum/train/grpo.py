@@ -321,6 +321,42 @@ def window_fields(groups: list[Group]) -> dict:
     return fields
 
 
+EVAL_PROMPTS = 256
+"""Held-out prompts (the first of the eval set) whose completions each evaluation samples."""
+EVAL_GENERATION = 2**31 - 1
+"""The generation number of the evaluations' sampling seed: one no run reaches, so the held-out
+draws are never a training generation's, and the same at every evaluation."""
+
+
+def evaluate_rewards(model, examples: list[Example], tokenizer, rewards: list[RewardFn],
+                     config: TrainConfig) -> tuple[dict, str]:  # fmt: skip
+    """The rewards of --num-generations completions sampled (at --temperature, at most
+    --max-completion-length tokens) from each of the first EVAL_PROMPTS held-out prompts: the
+    RL objective on prompts the run does not train on. The draws come from one seed, the same
+    at every evaluation, so two evaluations differ by the policy alone. Returns the record's
+    fields (eval_reward, eval_reward_<function>) and the words for the progress line."""
+    prompts = prompts_of(examples, tokenizer, config.seq_len)[:EVAL_PROMPTS]
+    if not prompts:
+        return {}, ""
+    g = config.num_generations
+    completions = sample(model, [p.ids for p in prompts], g, config.max_completion_length,
+                         config.temperature, tokenizer.eos_id,
+                         _seed(config.seed, EVAL_GENERATION, 0))  # fmt: skip
+    stopped = [bool(c) and c[-1] == tokenizer.eos_id for c in completions]
+    texts = [
+        tokenizer.decode(c[:-1] if s else c) for c, s in zip(completions, stopped, strict=True)
+    ]
+    columns = {"completion": [p.reference for p in prompts for _ in range(g)], "stopped": stopped}
+    total, per_function = score(
+        rewards, [p.text for p in prompts for _ in range(g)], texts, columns
+    )
+    fields = {"eval_reward": float(np.mean(total))}
+    for name, values in per_function.items():
+        fields[f"eval_reward_{name}"] = float(np.mean(values))
+    first = f"{rewards[0].name} {fields[f'eval_reward_{rewards[0].name}']:.3f}"
+    return fields, f"; sampled reward {fields['eval_reward']:.3f} ({first}), {len(prompts)} x {g}"
+
+
 def loss_fields(totals: dict[str, float], beta: float) -> dict:
     """The window's clip fraction, entropy (nats per token) and KL (with --beta), from this
     rank's `PolicyLoss.totals` summed over the ranks (one small all-reduce)."""

@@ -528,6 +528,10 @@ class Run:
             return
         if self.sft is not None:
             fields, lines = sft.evaluate(model, self.sft, micro, self.device, precision)
+            if self.policy is not None:  # --task grpo: the reward of held-out samples too
+                sampled, words = grpo.evaluate_rewards(model, self.sft.val, self.sft.tokenizer,
+                                                       self.rewards, self.config)  # fmt: skip
+                fields, lines[0] = {**fields, **sampled}, lines[0] + words
         else:
             loss = evaluate(model, self.data.val, micro, self.device, precision, self.data.eod_id)
             fields, lines = {"eval_loss": loss}, [f"eval loss {loss:.4f}"]

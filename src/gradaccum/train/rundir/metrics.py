@@ -7,11 +7,16 @@ seen, so it ends up equal to the uninterrupted run's file, timing fields aside.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
+import textwrap
 
 from gradaccum.utils.atomic import append_whole, write_atomic, write_text_atomic, writing
+
+TITLE_WIDTH = 80
+"""Characters per line of loss.png's title (a longer one wraps, as the figure is 7 in wide)."""
 
 
 def _clean(value):
@@ -147,7 +152,9 @@ def plot_loss(
     matches = [r for r in evals if r.get("exact_match") is not None]
     moe = [r for r in train if r.get("moe_lbl") is not None]
     rewards = [r for r in train if r.get("reward") is not None]
-    painters = ((_plot_noise, noise), (_plot_reward, rewards), (_plot_exact_match, matches))
+    held = [r for r in evals if r.get("eval_reward") is not None]
+    reward = functools.partial(_plot_reward, held=held)
+    painters = ((_plot_noise, noise), (reward, rewards), (_plot_exact_match, matches))
     panels = [(p, rs) for p, rs in painters if rs]
     panels += [(_plot_moe, moe)] if moe else []
     if panels:
@@ -181,7 +188,7 @@ def plot_loss(
     if not panels:
         ax.set_xlabel("tokens")
     ax.set_ylabel("loss (nats per token)")
-    ax.set_title(title)
+    ax.set_title("\n".join(textwrap.wrap(title, TITLE_WIDTH, break_on_hyphens=False)), fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend()
     try:
@@ -207,10 +214,14 @@ def _plot_noise(ax, records: list[dict]) -> None:
     ax.legend()
 
 
-def _plot_reward(ax, records: list[dict]) -> None:
-    """--task grpo: each step's mean reward and each reward function's, against tokens."""
+def _plot_reward(ax, records: list[dict], held: list[dict] = ()) -> None:
+    """--task grpo: each step's mean reward and each reward function's, against tokens; and
+    the evaluations' reward of completions sampled from held-out prompts (`held`)."""
     tokens = [r["tokens"] for r in records]
     ax.plot(tokens, [r["reward"] for r in records], lw=1.2, color="tab:orange", label="reward")
+    if held:
+        ax.plot([r["tokens"] for r in held], [r["eval_reward"] for r in held], "o--", ms=4,
+                color="tab:red", label="reward (held out, sampled)")  # fmt: skip
     for name in sorted(k for k in records[0] if k.startswith("reward_") and k != "reward_std"):
         values = [r.get(name) for r in records]
         ax.plot(tokens, values, lw=0.8, alpha=0.7, label=name.removeprefix("reward_"))
