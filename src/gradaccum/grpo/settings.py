@@ -46,7 +46,8 @@ class RLSettings:
     """Optimizer steps per generated batch: the prompts x completions sampled once are cut into
     this many windows, the sampling log-probs kept (the clip matters only above 1)."""
     reward: str | None = setting(None, "str", metavar="MODULE:FUNCTION[,...]",
-                                 default_text="the built-in tasks' exact match, partial match and format")  # fmt: skip
+                                 default_text="the built-in tasks' exact match, partial match "
+                                              "and format")  # fmt: skip
     """Reward functions, comma-separated: each f(prompts, completions, **columns) -> one float
     per completion (prompts and completions as text, without the end of text; the columns
     completion, each example's reference answer, and stopped, whether the completion ended

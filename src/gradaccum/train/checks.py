@@ -231,6 +231,12 @@ def check_device(device: str) -> None:
     devices.check_device(device)
 
 
+def holds_sft_stage(out: str) -> bool:
+    """Whether --out holds a --task grpo run's SFT stage (`WARM_START`): a run to continue
+    with --resume, also before the GRPO stage's first checkpoint (`sft_first` goes on)."""
+    return os.path.isdir(os.path.join(out, WARM_START))
+
+
 def check_run_folder(out: str, resume: bool) -> None:
     """--out is not in use by a running run; it holds a run exactly when --resume is given.
 
@@ -245,7 +251,7 @@ def check_run_folder(out: str, resume: bool) -> None:
         )
     has_checkpoint = bool(checkpoint.step_folders(out))
     finished = os.path.exists(os.path.join(out, "model.pt"))
-    if os.path.isdir(os.path.join(out, WARM_START)):  # a --task grpo run's SFT stage
+    if holds_sft_stage(out):
         has_checkpoint = finished = True
     if resume and not has_checkpoint:
         raise BadInput("--resume", out, "no checkpoint in this folder to resume from")

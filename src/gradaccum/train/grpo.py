@@ -196,16 +196,11 @@ class GRPOStream:
         return [every[j] for j in range(len(indices))]
 
     def _group(self, prompt: Prompt, completions: list[list[int]]) -> Group:
-        eos, g = self.tokenizer.eos_id, len(completions)
-        stopped = [bool(c) and c[-1] == eos for c in completions]
-        texts = [
-            self.tokenizer.decode(c[:-1] if s else c)
-            for c, s in zip(completions, stopped, strict=True)
-        ]
-        columns = {"completion": [prompt.reference] * g, "stopped": stopped}
-        total, per_function = score(self.rewards, [prompt.text] * g, texts, columns)
+        stopped, total, per_function = scored([prompt], completions, self.tokenizer, self.rewards)
         scale = self.config.scale_rewards == "group"
-        advantages = rl.group_advantages(torch.tensor(total, dtype=torch.float64), g, scale)
+        advantages = rl.group_advantages(
+            torch.tensor(total, dtype=torch.float64), len(completions), scale
+        )
         return Group(prompt.ids, completions, stopped, total, per_function, advantages.tolist())
 
     def _logprobs(self, model, groups: list[Group]) -> None:
@@ -328,20 +323,13 @@ EVAL_GENERATION = 2**31 - 1
 draws are never a training generation's, and the same at every evaluation."""
 
 
-def evaluate_rewards(model, examples: list[Example], tokenizer, rewards: list[RewardFn],
-                     config: TrainConfig) -> tuple[dict, str]:  # fmt: skip
-    """The rewards of --num-generations completions sampled (at --temperature, at most
-    --max-completion-length tokens) from each of the first EVAL_PROMPTS held-out prompts: the
-    RL objective on prompts the run does not train on. The draws come from one seed, the same
-    at every evaluation, so two evaluations differ by the policy alone. Returns the record's
-    fields (eval_reward, eval_reward_<function>) and the words for the progress line."""
-    prompts = prompts_of(examples, tokenizer, config.seq_len)[:EVAL_PROMPTS]
-    if not prompts:
-        return {}, ""
-    g = config.num_generations
-    completions = sample(model, [p.ids for p in prompts], g, config.max_completion_length,
-                         config.temperature, tokenizer.eos_id,
-                         _seed(config.seed, EVAL_GENERATION, 0))  # fmt: skip
+def scored(
+    prompts: list[Prompt], completions: list[list[int]], tokenizer, rewards: list[RewardFn]
+) -> tuple[list[bool], list[float], dict[str, list[float]]]:
+    """The completions of `prompts` (the same number of each, prompt by prompt) scored:
+    whether each ended with the end of text, its reward, and each reward function's values
+    (`rewards.score`, given the text without the end of text)."""
+    g = len(completions) // len(prompts)
     stopped = [bool(c) and c[-1] == tokenizer.eos_id for c in completions]
     texts = [
         tokenizer.decode(c[:-1] if s else c) for c, s in zip(completions, stopped, strict=True)
@@ -350,11 +338,35 @@ def evaluate_rewards(model, examples: list[Example], tokenizer, rewards: list[Re
     total, per_function = score(
         rewards, [p.text for p in prompts for _ in range(g)], texts, columns
     )
+    return stopped, total, per_function
+
+
+def evaluate_rewards(model, prompts: list[Prompt], tokenizer, rewards: list[RewardFn],
+                     config: TrainConfig) -> tuple[dict, str]:  # fmt: skip
+    """The rewards of --num-generations completions sampled (at --temperature, at most
+    --max-completion-length tokens) from each held-out prompt of `prompts` (`eval_prompts`):
+    the RL objective on prompts the run does not train on. The draws come from one seed, the
+    same at every evaluation, so two evaluations differ by the policy alone. Returns the
+    record's fields (eval_reward, eval_reward_<function>) and the words for the progress
+    line."""
+    if not prompts:
+        return {}, ""
+    g = config.num_generations
+    completions = sample(model, [p.ids for p in prompts], g, config.max_completion_length,
+                         config.temperature, tokenizer.eos_id,
+                         _seed(config.seed, EVAL_GENERATION, 0))  # fmt: skip
+    _, total, per_function = scored(prompts, completions, tokenizer, rewards)
     fields = {"eval_reward": float(np.mean(total))}
     for name, values in per_function.items():
         fields[f"eval_reward_{name}"] = float(np.mean(values))
     first = f"{rewards[0].name} {fields[f'eval_reward_{rewards[0].name}']:.3f}"
     return fields, f"; sampled reward {fields['eval_reward']:.3f} ({first}), {len(prompts)} x {g}"
+
+
+def eval_prompts(examples: list[Example], tokenizer, seq_len: int) -> list[Prompt]:
+    """The held-out prompts each evaluation samples from: the first EVAL_PROMPTS of the eval
+    set's examples."""
+    return prompts_of(examples, tokenizer, seq_len)[:EVAL_PROMPTS]
 
 
 def loss_fields(totals: dict[str, float], beta: float) -> dict:

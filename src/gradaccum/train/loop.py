@@ -187,6 +187,7 @@ class Run:
         if self.moe is not None:
             raise BadInput("--model", config.preset, "a mixture of experts: not with --task grpo")
         self.prompts = grpo.prompts_of(self.sft.train, self.sft.tokenizer, config.seq_len)
+        self.eval_prompts = grpo.eval_prompts(self.sft.val, self.sft.tokenizer, config.seq_len)
         grpo.check(config, self.prompts)
         self.rewards = grpo.rewards_of(config, self.prompts)  # before any generation
         return rl.PolicyLoss(config.loss_type, config.epsilon, config.epsilon_high, config.beta,
@@ -529,7 +530,7 @@ class Run:
         if self.sft is not None:
             fields, lines = sft.evaluate(model, self.sft, micro, self.device, precision)
             if self.policy is not None:  # --task grpo: the reward of held-out samples too
-                sampled, words = grpo.evaluate_rewards(model, self.sft.val, self.sft.tokenizer,
+                sampled, words = grpo.evaluate_rewards(model, self.eval_prompts, self.sft.tokenizer,
                                                        self.rewards, self.config)  # fmt: skip
                 fields, lines[0] = {**fields, **sampled}, lines[0] + words
         else:

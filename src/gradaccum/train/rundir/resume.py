@@ -21,7 +21,7 @@ import os
 from dataclasses import replace
 
 from gradaccum.train import micro_batch
-from gradaccum.train.checks import WARM_START
+from gradaccum.train.checks import holds_sft_stage
 from gradaccum.train.config import FLAGS, TrainConfig, merge_settings
 from gradaccum.train.rundir import checkpoint
 from gradaccum.train.rundir.metrics import read_metrics_text
@@ -115,7 +115,7 @@ def settings_to_resume(given: dict) -> dict:
     if out is None:
         raise BadInput("--resume: needs --out naming the run to continue")
     path, skipped = checkpoint.newest_intact(out)
-    if path is None and not skipped and os.path.isdir(os.path.join(out, WARM_START)):
+    if path is None and not skipped and holds_sft_stage(out):
         return given  # --task grpo stopped in its SFT stage, or before GRPO's first checkpoint
     if path is None:
         _no_checkpoint(out, skipped)
