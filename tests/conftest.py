@@ -3,7 +3,9 @@
 `hf_tokenizer_dir` is a folder holding a byte-level BPE tokenizer trained with the
 `tokenizers` library on local text, with special tokens for chat roles and a chat template;
 `make_hf_folder(arch, ...)` saves a tiny causal LM of that architecture from its config (random
-weights, seeded) together with that tokenizer, as `save_pretrained` writes it.
+weights, seeded) together with that tokenizer, as `save_pretrained` writes it. bitsandbytes'
+4-bit layers take their AVX512-BF16 path in every test, whatever the CPU (tests/avx512bf16.py),
+and a connection off this machine raises (tests/network.py).
 """
 
 from __future__ import annotations
@@ -12,6 +14,11 @@ import os
 import shutil
 
 import pytest
+
+from . import avx512bf16, network
+
+avx512bf16.install()  # bitsandbytes' AVX512-BF16 path on every CPU (tests/avx512bf16.py)
+network.refuse()  # no connection off this machine from the suite's process (tests/network.py)
 
 SPECIAL_TOKENS = [
     "<unk>",

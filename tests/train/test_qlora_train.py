@@ -18,6 +18,7 @@ from gradaccum.models import quantized
 from gradaccum.train import adapters
 from gradaccum.train.config import TrainConfig
 from gradaccum.train.loop import train
+from gradaccum.train.rundir.metrics import read_metrics
 
 from .helpers import one_line_error, train_records
 from .small_run import latest_checkpoint, train_until
@@ -119,7 +120,8 @@ def test_trains_on_a_quantised_base_and_exports_for_peft(
     if arch != "llama":
         return
     # peft's own loading of the adapter folder onto the same 4- or 8-bit base (transformers'
-    # BitsAndBytesConfig, fp32 as the run computed) gives the trained model's logits.
+    # BitsAndBytesConfig, fp32 as the run computed, in the layout it trained in: docs) gives
+    # the trained model's logits.
     import peft
 
     spec = quantized.QuantSpec(bits)
@@ -130,6 +132,7 @@ def test_trains_on_a_quantised_base_and_exports_for_peft(
         quantization_config=quantized.quantization_config(spec),
         device_map={"": "cpu"},
     )
+    quantized.keep_training_layout(base)
     loaded = peft.PeftModel.from_pretrained(base, os.path.join(config.out, "adapter"))
     ids = torch.tensor([[5, 17, 42, 9, 33, 7, 21, 60, 11, 3]])
     want = _logits(model, ids)
@@ -141,6 +144,7 @@ def test_trains_on_a_quantised_base_and_exports_for_peft(
         quantization_config=quantized.quantization_config(spec),
         device_map={"": "cpu"},
     )
+    quantized.keep_training_layout(start)
     assert (_logits(start, ids) - want).abs().max() > 1e-3  # the adapters moved it
 
 
@@ -260,3 +264,28 @@ def test_merge_into_a_gpt2_folder_transposes_back_to_conv1d(
     assert torch.allclose(_logits(merged, ids), _logits(spied["model"], ids), rtol=0, atol=1e-5)
     said = capsys.readouterr().out
     assert "merged/: the adapters folded into the dequantised base, saved in float32" in said
+
+
+@pytest.mark.parametrize(("arch", "bits"), [("gpt", 4), ("gpt", 8), ("llama", 4), ("llama", 8)])
+def test_an_evaluation_changes_nothing_training_computes(tmp_path, make_hf_folder, arch, bits):
+    """Evaluating runs the base in eval mode, where bitsandbytes on an AVX512-BF16 CPU repacks
+    a 4-bit layer for bf16 inference (taken here on any CPU: tests/avx512bf16.py). Every step
+    of a run evaluated every 2 steps, and of one stopped after its evaluation at step 2 and
+    resumed, is bit for bit that of the run evaluated only at its end."""
+    folder = make_hf_folder("llama") if arch == "llama" else None
+    held_out = _jsonl(tmp_path / "held_out.jsonl")
+
+    def run(name, **kw) -> TrainConfig:
+        return _config(tmp_path, arch, folder, bits, name=name, max_steps=4, save_every=2,
+                       eval_data=held_out, **kw)  # fmt: skip
+
+    train(quiet := run("end"))
+    train(often := run("often", eval_every=2))
+    evaluated = [
+        r for r in read_metrics(os.path.join(often.out, "metrics.jsonl")) if "eval_loss" in r
+    ]
+    assert [r["step"] for r in evaluated][:2] == [2, 4], evaluated
+    assert train_records(often.out) == train_records(quiet.out)
+    train_until(run("resumed", eval_every=2), 2)
+    train(run("resumed", eval_every=2, resume=True))
+    assert train_records(str(tmp_path / "resumed")) == train_records(quiet.out)

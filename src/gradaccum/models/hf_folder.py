@@ -214,6 +214,10 @@ def load_model(folder: HFFolder | str, dtype: str = "auto", quant=None, device="
         raise BadInput(
             flag, path, f"weights do not match config.json: {len(missing)} missing ({names})"
         )
+    if quant is not None:  # before any forward: the causality check runs in eval mode
+        from gradaccum.models.quantized import keep_training_layout
+
+        keep_training_layout(model)
     refuse_non_causal(model, flag, path)
     return model.train()
 

@@ -135,7 +135,10 @@ class LoraInfo:
 
 def require_peft(rank=None):
     """The peft module; BadInput naming --lora-rank and the extra when it is not installed."""
+    from gradaccum.models.quantized import import_bitsandbytes
+
     try:
+        import_bitsandbytes()  # peft imports it: first without the kernel hub's lookup
         import peft
     except ImportError:
         raise BadInput("--lora-rank", rank, "needs peft (pip install 'gradaccum[lora]')") from None
@@ -271,9 +274,15 @@ def apply_lora(model: nn.Module, spec: LoraSpec, adapter_dtype=torch.float32) ->
     )
 
 
-def _lora_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def _lora_layer_class():
+    require_peft()
     from peft.tuners.lora import LoraLayer
 
+    return LoraLayer
+
+
+def _lora_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    LoraLayer = _lora_layer_class()
     return [(n, m) for n, m in model.named_modules() if isinstance(m, LoraLayer)]
 
 
@@ -289,8 +298,7 @@ def _adapter_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 def is_adapter_key(name: str) -> bool:
     """Whether a model.state_dict() name is an adapter tensor's (`...c_attn.lora_A.default.
     weight`) rather than the base's (`...c_attn.base_layer.weight`)."""
-    from peft.tuners.lora import LoraLayer
-
+    LoraLayer = _lora_layer_class()
     parts = name.split(".")
     pairs = zip(parts, parts[1:], strict=False)
     return any(a in LoraLayer.adapter_layer_names and b == ADAPTER for a, b in pairs)

@@ -16,7 +16,12 @@ from a config have their linear layers swapped for bitsandbytes' `Linear4bit` /
 - 8 bits: LLM.int8 with bitsandbytes' default outlier threshold 6.0 (transformers' default):
   int8 weights with one scale per output row.
 
-The adapters keep fp32 and train; the quantised weights never change. `dequantized_weight`
+The adapters keep fp32 and train; the quantised weights never change, in any mode: on a CPU
+with AVX512-BF16, bitsandbytes (>= 0.49) repacks a 4-bit layer's weight into an inference
+layout the first time the layer runs in eval mode without grad, and computes it from then on
+in bf16 through a kernel with no backward, in training too. `keep_training_layout` turns that
+off for every layer a model holds, so an evaluation, a generation, verify or an export compute
+what training computes, on every CPU (docs/reliability.md). `dequantized_weight`
 and `dequantize_linears` give the weights back as ordinary tensors (the float64 reference of
 `verify`, the merged export). `stored_bytes` counts what the quantised model holds, the
 quantisation constants included (the memory test against the planner's figure).
@@ -25,7 +30,9 @@ quantisation constants included (the memory test against the planner's figure).
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
+import sys
 import warnings
 
 import torch
@@ -42,10 +49,41 @@ SKIPPED = ("router", "gate")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+HUB_LOGGER = "bitsandbytes.backends.cpu.ops"
+"""The logger of bitsandbytes' warning when its CPU kernel is not fetched from the hub."""
+
+
+def import_bitsandbytes() -> None:
+    """Import bitsandbytes, where it is installed and not imported yet, without the `kernels`
+    package in sight. On a CPU with AVX512-BF16 bitsandbytes' import calls `kernels.get_kernel`
+    for a fused inference kernel: a Hugging Face hub lookup (and a download of code) at run
+    time. With `kernels` hidden the import keeps bitsandbytes' own kernels; the one it would
+    fetch serves only the inference layout `keep_training_layout` turns off. Call it before
+    anything that imports bitsandbytes on its own (peft, trl)."""
+    if "bitsandbytes" in sys.modules or importlib.util.find_spec("bitsandbytes") is None:
+        return
+    missing = object()
+    saved = sys.modules.get("kernels", missing)
+    sys.modules["kernels"] = None  # `from kernels import get_kernel` raises ImportError
+    logger = logging.getLogger(HUB_LOGGER)
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        with quiet():
+            import bitsandbytes  # noqa: F401
+    finally:
+        logger.setLevel(level)
+        if saved is missing:
+            sys.modules.pop("kernels", None)
+        else:
+            sys.modules["kernels"] = saved
+
+
 def require_bitsandbytes(bits=None):
     """The bitsandbytes module; BadInput naming --base-bits when it is missing, older than
     MIN_VERSION, or refuses this platform (its own words, one line)."""
     try:
+        import_bitsandbytes()
         with quiet():
             import bitsandbytes
     except ImportError:
@@ -162,6 +200,7 @@ def quantize_linears(model: nn.Module, spec: QuantSpec, device="cpu") -> int:
             parent_name, _, leaf = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
             setattr(parent, leaf, new)
+    keep_training_layout(model)
     return len(layers)
 
 
@@ -200,12 +239,47 @@ def _quantized(bnb, old: nn.Linear, spec: QuantSpec, device) -> nn.Module:
     return new.to(device)  # quantises the weight
 
 
-def dequantized_weight(layer: nn.Module) -> torch.Tensor:
-    """The weight a bitsandbytes layer computes with, (out, in), in fp32."""
+INFERENCE_LAYOUT = "support_avx512bf16_for_cpu"
+"""Linear4bit's switch (bitsandbytes >= 0.49) for repacking its weight in eval mode on a CPU
+with AVX512-BF16; set from the CPU's flags when the layer is made."""
+
+
+def keep_training_layout(model: nn.Module) -> int:
+    """Keep every 4-bit layer of `model` in the layout it trains in, whatever mode it runs in
+    and whatever the CPU: bitsandbytes' eval-mode repacking turned off (`INFERENCE_LAYOUT`).
+    Call it on a model as soon as it is loaded or quantised, before any forward (the run, verify,
+    fit and bench do; a model you load yourself with transformers' BitsAndBytesConfig too).
+    RuntimeError when a layer was repacked already: its constants were rounded to bf16 and
+    cannot be restored exactly. The number of 4-bit layers."""
+    count = 0
+    for name, layer in quantized_layers(model):
+        if type(layer).__name__ != "Linear4bit":
+            continue
+        if hasattr(layer, INFERENCE_LAYOUT):
+            setattr(layer, INFERENCE_LAYOUT, False)
+        check_training_layout(name, layer)
+        count += 1
+    return count
+
+
+def check_training_layout(name: str, layer: nn.Module) -> None:
+    """RuntimeError when 4-bit `layer` holds bitsandbytes' CPU inference layout."""
+    state = getattr(layer.weight, "quant_state", None)
+    if getattr(state, "packing_format_for_cpu", False):
+        raise RuntimeError(
+            f"{name}: bitsandbytes repacked this 4-bit layer for CPU inference (it ran in eval "
+            "mode before keep_training_layout was called); load the model again"
+        )
+
+
+def dequantized_weight(layer: nn.Module, name: str = "layer") -> torch.Tensor:
+    """The weight a bitsandbytes layer computes with, (out, in), in fp32: as stored for
+    training (RuntimeError for a layer in the CPU inference layout)."""
     import bitsandbytes.functional as F
 
     weight = layer.weight
     if type(layer).__name__ == "Linear4bit":
+        check_training_layout(name, layer)
         return F.dequantize_4bit(weight.data, weight.quant_state).float()
     scb = getattr(weight, "SCB", None)
     if scb is None:
@@ -220,7 +294,7 @@ def dequantize_linears(model: nn.Module, dtype: torch.dtype = torch.float32) -> 
     for name, layer in quantized_layers(model):
         plain = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None,
                           device="meta")  # fmt: skip
-        weight = dequantized_weight(layer).to(dtype)
+        weight = dequantized_weight(layer, name).to(dtype)
         plain.weight = nn.Parameter(weight, requires_grad=False)
         if layer.bias is not None:
             plain.bias = nn.Parameter(layer.bias.detach().to(dtype).clone(), requires_grad=False)
