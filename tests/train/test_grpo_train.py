@@ -35,6 +35,9 @@ def wrong_count(prompts, completions, **columns):
 
 def share_of_a(prompts, completions, **columns):
     return [c.count("a") / max(len(c), 1) for c in completions]
+
+def scores_zero(prompts, completions, **columns):
+    return [0.0] * len(completions)
 """
 STEPS = 4
 
@@ -79,6 +82,20 @@ def test_resume_mid_generation_is_bit_for_bit(tmp_path, rewards):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_the_progress_lines_name_every_reward_function_those_at_0_too(tmp_path, rewards, capsys):
+    # a function that scored 0 was left out of the line: every one is there, 0.000 included
+    both = f"{rewards}:letters,{rewards}:scores_zero"
+    train(config(tmp_path / "run", rewards, reward=both, max_steps=1, eval_fraction=0.001,
+                 save_every=0))  # fmt: skip
+    printed = capsys.readouterr().out.splitlines()
+    (step,) = [line for line in printed if line.startswith("step 1/1 ")]
+    (held_out,) = [line for line in printed if line.startswith("step 1: eval loss")]
+    (window,) = [r for r in records(tmp_path / "run") if "loss" in r]
+    letters = window[f"reward_{rewards}:letters"]
+    assert f"{rewards}:letters {letters:.3f}" in step and f"{rewards}:scores_zero 0.000" in step
+    assert f"{rewards}:letters " in held_out and f"{rewards}:scores_zero 0.000" in held_out
+
+
 def test_a_reward_failing_mid_run_stops_in_one_line_naming_the_checkpoint(
     tmp_path, rewards, capsys
 ):
@@ -101,9 +118,7 @@ def test_a_reward_failing_mid_run_stops_in_one_line_naming_the_checkpoint(
         ("{rewards}:wrong_count", "returned 1 value"),
     ],
 )
-def test_a_bad_reward_is_refused_before_anything_is_written(
-    tmp_path, rewards, capsys, spec, words
-):
+def test_a_bad_reward_is_refused_before_anything_is_written(tmp_path, rewards, capsys, spec, words):
     out = tmp_path / "run"
     spec = spec.format(rewards=rewards)
     argv = ["train", "--task", "grpo", "--out", str(out), "--reward", spec]

@@ -168,3 +168,33 @@ def test_default_packing_of_a_hugging_face_model(make_hf_folder):
         assert sft.packing_of(config) == want, (arch, transformers.__version__)
     assert sft.packing_of(TrainConfig(task="sft")) == "padding-free"
     assert sft.packing_of(TrainConfig(task="sft", packing="none")) == "none"
+
+
+@pytest.mark.parametrize(
+    "mode, holds",
+    [
+        ("padding-free", "sft    micro-batch 2 rows of 64 positions (padding-free: several "
+         "examples a row; --micro-batch counts rows, not examples)"),
+        ("window", "sft    micro-batch up to 128 positions, padding included (window: as many "
+         "examples as fit; --micro-batch counts rows of --seq-len, not examples)"),
+        ("none", "sft    micro-batch 2 examples, padded to their longest (none: --micro-batch "
+         "counts examples)"),
+    ],
+)  # fmt: skip
+def test_the_start_says_what_a_micro_batch_holds(capsys, tmp_path, ragged, mode, holds):
+    # --micro-batch 1 --examples-per-step 32 gave k = 13 padding-free, read as examples
+    argv = ["train", "--task", "sft", "--data", ragged, "--out", str(tmp_path / mode),
+            "--packing", mode, "--micro-batch", "2", "--seq-len", str(SEQ_LEN),
+            "--max-steps", "1", "--eval-every", "0"]  # fmt: skip
+    assert main(argv) == 0
+    assert holds in capsys.readouterr().out.splitlines()
+
+
+def test_the_micro_batch_help_says_what_it_counts_in_each_packing_mode(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    help_text = text[text.index("--micro-batch N|auto ") :][:700]
+    for mode, unit in (("padding-free", "rows of --seq-len positions, several examples a row"),
+                       ("window", "--micro-batch x --seq-len positions"), ("none", "examples")):  # fmt: skip
+        assert f"{mode}: {unit}" in help_text, (mode, help_text)

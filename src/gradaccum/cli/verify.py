@@ -136,8 +136,8 @@ COMMAND = Command(
         "loss_type": "verify: every loss type when not given.",
         "k": "--task grpo: the window's completions cut into K micro-batches as equal as "
         "they can be; given --micro-batch instead, K follows from it.",
-        "micro_batch": "--task grpo: completions per micro-batch (the last holds what is "
-        "left); not given, --k decides.",
+        "micro_batch": "--task grpo: the last micro-batch holds the completions left; not "
+        "given, --k decides.",
         "seq_len": f"Rows are ragged, this is the longest; at most {MAX_SEQ_LEN}: the float64 "
         "big batch costs about the square of it, and k x micro-batch x seq-len must fit the "
         "available memory at about 8 bytes x (18 x layers x width + 3 x vocab) per token. "

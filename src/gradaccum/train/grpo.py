@@ -359,8 +359,16 @@ def evaluate_rewards(model, prompts: list[Prompt], tokenizer, rewards: list[Rewa
     fields = {"eval_reward": float(np.mean(total))}
     for name, values in per_function.items():
         fields[f"eval_reward_{name}"] = float(np.mean(values))
-    first = f"{rewards[0].name} {fields[f'eval_reward_{rewards[0].name}']:.3f}"
-    return fields, f"; sampled reward {fields['eval_reward']:.3f} ({first}), {len(prompts)} x {g}"
+    sampled = reward_words(fields, rewards, "eval_reward")
+    return fields, f"; sampled reward {sampled}, {len(prompts)} x {g}"
+
+
+def reward_words(fields: dict, rewards: list[RewardFn], key: str = "reward") -> str:
+    """A record's reward `key` and each function's (`key`_<name>) for a progress line,
+    "1.250 (exact 1.000, format 0.000)": every function, one that scored 0 too (where the
+    reward comes from is what the line is read for)."""
+    each = ", ".join(f"{r.name} {fields[f'{key}_{r.name}']:.3f}" for r in rewards)
+    return f"{fields[key]:.3f} ({each})"
 
 
 def eval_prompts(examples: list[Example], tokenizer, seq_len: int) -> list[Prompt]:

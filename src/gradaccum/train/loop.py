@@ -485,7 +485,8 @@ class Run:
             record.update(completions=self.window_examples, counted=result.tokens)
             record.update(self.window_fields)
             record.update(grpo.loss_fields(self.policy.totals, self.config.beta))
-            words.append(f"reward {record['reward']:.3f}, length {record['completion_length']:.1f}")
+            reward = grpo.reward_words(record, self.rewards)
+            words.append(f"reward {reward}, length {record['completion_length']:.1f}")
         elif self.sft is not None:  # what the window held: examples, and the tokens N counts
             record.update(examples=self.window_examples, counted_tokens=result.tokens)
             words.append(f"{self.window_examples} ex, {result.tokens} tok")

@@ -87,8 +87,12 @@ class BatchSettings:
     seq_len: int = setting(128, least=1)
     """Tokens per sequence (the model reads seq_len, predicts seq_len)."""
     micro_batch: int | str | None = setting(None, "micro", least=1)
-    """Sequences (SFT: examples) per forward/backward on each rank, or auto: the size that
-    fits and trains fastest, measured (on CPU at most 2048 tokens per micro-batch)."""
+    """What one forward/backward holds on each rank: sequences of --seq-len. --task sft, by
+    --packing: padding-free: rows of --seq-len positions, several examples a row (not one
+    example, as TRL's per_device_train_batch_size); window: --micro-batch x --seq-len
+    positions, as many examples as fit; none: examples, padded to their longest. --task grpo:
+    completions. Or auto: the size that fits and trains fastest, measured (on CPU at most 2048
+    tokens per micro-batch)."""
     accum_steps: int | None = setting(None, least=1, metavar="K",
                                       default_text="from --tokens-per-step")  # fmt: skip
     """Micro-batches per optimizer step, k."""

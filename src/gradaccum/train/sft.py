@@ -390,7 +390,9 @@ def length_line(config: TrainConfig, examples: list[Example]) -> str:
     if config.run_epochs is not None:
         given["--epochs"] = f"{config.run_epochs:g}"
         if config.epochs_defaulted:
-            given["--epochs"] += " (the default on --data when no --epochs, --max-steps or --max-tokens)"
+            given["--epochs"] += (
+                " (the default on --data when no --epochs, --max-steps or --max-tokens)"
+            )
     default = TASK_DEFAULTS["sft"]["max_steps"]
     if list(found) == ["--max-steps"] and config.max_steps == default:
         given["--max-steps"] += " (the default when no --epochs, --max-steps or --max-tokens)"
@@ -505,8 +507,34 @@ def plan_lines(config: TrainConfig, parts: SFTParts, micro_batch: int) -> list[s
     )
     given = "" if config.packing else " (the default for this model)"
     return [
+        micro_batch_line(config, micro_batch),
         f"sft    --packing {mode}{given}: {cut}; the same update in every mode",
     ] + _over_budget_lines(config, ahead, first, what)
+
+
+def micro_batch_line(config: TrainConfig, micro_batch: int) -> str:
+    """What one micro-batch of `micro_batch` holds under the run's --packing. --micro-batch
+    counts examples (as TRL's per_device_train_batch_size does) only under none; padding-free
+    and window count rows of --seq-len, several examples each, so there k at --micro-batch 1
+    is usually below the examples per step."""
+    mode, seq = packing_of(config), config.seq_len
+    if mode == "none":
+        return (f"sft    micro-batch {_count(micro_batch, 'example')}, padded to their longest "
+                "(none: --micro-batch counts examples)")  # fmt: skip
+    budget = config.micro_batch_tokens or micro_batch * seq
+    rows = "rows of --seq-len" if mode == "window" else "rows"
+    counts = ("--micro-batch-tokens sets it" if config.micro_batch_tokens
+              else f"--micro-batch counts {rows}, not examples")  # fmt: skip
+    if mode == "window":
+        return (f"sft    micro-batch up to {budget:,} positions, padding included (window: as "
+                f"many examples as fit; {counts})")  # fmt: skip
+    return (f"sft    micro-batch {_count(max(1, budget // seq), 'row')} of {seq} positions "
+            f"(padding-free: several examples a row; {counts})")  # fmt: skip
+
+
+def _count(n: int, unit: str) -> str:
+    """`n` `unit`s, in the singular for one."""
+    return f"{n:,} {unit}{'s' * (n != 1)}"
 
 
 def _over_budget_lines(config: TrainConfig, ahead: SFTBatches, first: int, what: str) -> list:

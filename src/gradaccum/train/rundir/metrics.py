@@ -8,6 +8,7 @@ seen, so it ends up equal to the uninterrupted run's file, timing fields aside.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 import os
@@ -130,33 +131,49 @@ def read_metrics(path: str) -> list[dict]:
 def plot_loss(
     records: list[dict], path: str, entropy_floor: float | None = None, title: str = ""
 ) -> bool:
-    """Write loss against tokens (and eval loss, and the floor) to `path`, atomically; below
-    it a panel for each of: the noise scale where the records carry noise_scale_tokens, the
-    exact match where eval records carry it (--task sft on the built-in set), the
-    load-balancing loss and the largest expert load where they carry moe_lbl (an MoE model),
-    the rewards where they carry reward (--task grpo).
+    """Write loss.png (`loss_figure`) to `path`, atomically.
 
     Returns False, writing nothing, when matplotlib is not installed (an optional extra);
     raises DiskFull naming `path` when the disk has no room (the previous plot is kept).
     """
+    plt = _pyplot()
+    if plt is None:
+        return False
+    fig = loss_figure(records, entropy_floor, title)
+    try:
+        fig.tight_layout()
+        write_atomic(path, lambda f: fig.savefig(f, format="png"))  # no room: DiskFull
+    finally:
+        plt.close(fig)
+    return True
+
+
+def _pyplot():
+    """matplotlib.pyplot drawing off screen, or None when matplotlib is not installed."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return False
+        return None
+    return plt
+
+
+def loss_figure(records: list[dict], entropy_floor: float | None = None, title: str = ""):
+    """loss.png's figure (matplotlib installed; the caller closes it): loss against tokens
+    (and eval loss, and the floor); below it a panel for each of: the noise scale where the
+    records carry noise_scale_tokens, the exact match where eval records carry it (--task sft
+    on the built-in set), the load-balancing loss and the largest expert load where they carry
+    moe_lbl (an MoE model), the rewards where they carry reward (--task grpo). A GRPO run's
+    eval loss and the floor are in a panel of their own, under the policy loss."""
+    plt = _pyplot()
     train = [r for r in records if r.get("loss") is not None and "eval_loss" not in r]
     evals = [r for r in records if r.get("eval_loss") is not None]
-    noise = [r for r in train if r.get("noise_scale_tokens") is not None]
-    matches = [r for r in evals if r.get("exact_match") is not None]
-    moe = [r for r in train if r.get("moe_lbl") is not None]
-    rewards = [r for r in train if r.get("reward") is not None]
-    held = [r for r in evals if r.get("eval_reward") is not None]
-    reward = functools.partial(_plot_reward, held=held)
-    painters = ((_plot_noise, noise), (reward, rewards), (_plot_exact_match, matches))
-    panels = [(p, rs) for p, rs in painters if rs]
-    panels += [(_plot_moe, moe)] if moe else []
+    # --task grpo: the train loss is the policy's (about 0), the eval loss the held-out
+    # cross-entropy (about ln V); on one axis neither can be read
+    policy = any(r.get("reward") is not None for r in train)
+    panels = [(p, rs) for p, rs in _lower_panels(train, evals, entropy_floor, policy) if rs]
     if panels:
         fig, axes = plt.subplots(
             1 + len(panels),
@@ -171,32 +188,66 @@ def plot_loss(
             paint(lower, rows)
     else:
         fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
-    ax.plot([r["tokens"] for r in train], [r["loss"] for r in train], lw=1.2, label="train loss")
-    if evals:
-        ax.plot(
-            [r["tokens"] for r in evals],
-            [r["eval_loss"] for r in evals],
-            "o-",
-            ms=4,
-            lw=1,
-            label="eval loss (held out)",
-        )
-    if entropy_floor is not None:
-        ax.axhline(
-            entropy_floor, ls="--", color="k", lw=1, label=f"entropy floor {entropy_floor:.3f} nats"
-        )
-    if not panels:
         ax.set_xlabel("tokens")
-    ax.set_ylabel("loss (nats per token)")
+    if policy:
+        _plot_policy_loss(ax, train)
+    else:
+        _plot_losses(ax, train, evals, entropy_floor)
     ax.set_title("\n".join(textwrap.wrap(title, TITLE_WIDTH, break_on_hyphens=False)), fontsize=10)
+    return fig
+
+
+def _lower_panels(train: list[dict], evals: list[dict], entropy_floor, policy: bool) -> list:
+    """The panels below the loss as (painter, its records), in order; one without records
+    is left out."""
+    held = [r for r in evals if r.get("eval_reward") is not None]
+    reward = functools.partial(_plot_reward, held=held)
+    panels = [
+        (_plot_noise, [r for r in train if r.get("noise_scale_tokens") is not None]),
+        (reward, [r for r in train if r.get("reward") is not None]),
+        (_plot_exact_match, [r for r in evals if r.get("exact_match") is not None]),
+        (_plot_moe, [r for r in train if r.get("moe_lbl") is not None]),
+    ]
+    if policy:  # the held-out cross-entropy on its own axis, right under the policy loss
+        held_out = functools.partial(_plot_held_out, entropy_floor=entropy_floor)
+        panels.insert(0, (held_out, evals))
+    return panels
+
+
+def _plot_losses(ax, train: list[dict], evals: list[dict], entropy_floor) -> None:
+    """Train loss, eval loss and the entropy floor against tokens: one quantity, one axis."""
+    ax.plot([r["tokens"] for r in train], [r["loss"] for r in train], lw=1.2, color="tab:blue",
+            label="train loss")  # fmt: skip
+    _plot_eval_loss(ax, evals, entropy_floor)
+    ax.set_ylabel("loss (nats per token)")
+
+
+def _plot_policy_loss(ax, train: list[dict]) -> None:
+    """--task grpo: the policy loss (the --loss-type objective, about 0) against tokens."""
+    ax.plot([r["tokens"] for r in train], [r["loss"] for r in train], lw=1.2, color="tab:blue",
+            label="policy loss")  # fmt: skip
+    ax.set_ylabel("policy loss (per token)")
     ax.grid(alpha=0.3)
     ax.legend()
-    try:
-        fig.tight_layout()
-        write_atomic(path, lambda f: fig.savefig(f, format="png"))  # no room: DiskFull
-    finally:
-        plt.close(fig)
-    return True
+
+
+def _plot_held_out(ax, evals: list[dict], entropy_floor: float | None = None) -> None:
+    """--task grpo: the held-out cross-entropy (and the floor) against tokens."""
+    _plot_eval_loss(ax, evals, entropy_floor)
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("cross-entropy (nats per token)")
+
+
+def _plot_eval_loss(ax, evals: list[dict], entropy_floor: float | None) -> None:
+    """The eval loss (held-out cross-entropy) and the entropy floor, where there are."""
+    if evals:
+        ax.plot([r["tokens"] for r in evals], [r["eval_loss"] for r in evals], "o-", ms=4, lw=1,
+                color="tab:orange", label="eval loss (held out)")  # fmt: skip
+    if entropy_floor is not None:
+        ax.axhline(entropy_floor, ls="--", color="k", lw=1,
+                   label=f"entropy floor {entropy_floor:.3f} nats")  # fmt: skip
+    ax.grid(alpha=0.3)
+    ax.legend()
 
 
 def _plot_noise(ax, records: list[dict]) -> None:
@@ -222,13 +273,26 @@ def _plot_reward(ax, records: list[dict], held: list[dict] = ()) -> None:
     if held:
         ax.plot([r["tokens"] for r in held], [r["eval_reward"] for r in held], "o--", ms=4,
                 color="tab:red", label="reward (held out, sampled)")  # fmt: skip
-    for name in sorted(k for k in records[0] if k.startswith("reward_") and k != "reward_std"):
+    names = sorted(k for k in records[0] if k.startswith("reward_") and k != "reward_std")
+    for name, colour in zip(names, _unused_colours(ax), strict=False):
         values = [r.get(name) for r in records]
-        ax.plot(tokens, values, lw=0.8, alpha=0.7, label=name.removeprefix("reward_"))
+        ax.plot(tokens, values, lw=0.8, alpha=0.7, color=colour, label=name.removeprefix("reward_"))
     ax.set_xlabel("tokens (counted: the loss's count)")
     ax.set_ylabel("reward (step mean)")
     ax.grid(alpha=0.3)
     ax.legend()
+
+
+def _unused_colours(ax):
+    """Colours none of `ax`'s lines has (tab10's, then tab20's light shades), endlessly:
+    matplotlib's cycle does not skip a colour a line was given, so a reward function would
+    take the mean reward's orange."""
+    from matplotlib import colormaps
+    from matplotlib.colors import to_hex
+
+    taken = {to_hex(line.get_color()) for line in ax.get_lines()}
+    palette = colormaps["tab10"].colors + colormaps["tab20"].colors[1::2]
+    return itertools.cycle([c for c in map(to_hex, palette) if c not in taken])
 
 
 def _plot_exact_match(ax, records: list[dict]) -> None:
