@@ -138,11 +138,11 @@ def load_data(config: TrainConfig) -> SFTParts:
         rows = rows_from_dicts(builtin_rows(config.seed), SOURCE)
         data = tokenize_rows(rows, tokenizer, source=SOURCE, **options)
     else:
-        data = load_sft(config.data, tokenizer, split=config.data_split, **options)
+        data = load_sft(config.data, tokenizer, config.data_split, config.task, **options)
     held = None  # --eval-data's examples: read and tokenized as --data's
     if config.eval_data is not None:
         with eval_set.reading_eval_data():
-            held = load_sft(config.eval_data, tokenizer, split=config.data_split, **options)
+            held = load_sft(config.eval_data, tokenizer, config.data_split, config.task, **options)
         train, val = data.examples, held.examples
     else:
         count = eval_set.heldout_count(config, len(data.examples), HELDOUT_MAX)
