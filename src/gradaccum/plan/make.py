@@ -28,7 +28,7 @@ from gradaccum.utils.errors import BadInput
 
 def _model(i: PlanInputs) -> tuple[ModelShape | None, int | None]:
     if i.model is not None:
-        shape = preset(i.model)
+        shape = preset(i.model, i.seq_len, i.vocab)
         return shape, shape.params
     if i.layers is not None:
         shape = custom(i.layers, i.hidden, i.heads, i.vocab)
