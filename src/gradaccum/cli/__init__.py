@@ -16,7 +16,7 @@ import threading
 
 from gradaccum import __version__
 from gradaccum.cli.common import ArgumentParser
-from gradaccum.settings.command import build_program
+from gradaccum.settings.command import build_program, in_config_file
 from gradaccum.utils.atomic import interrupted, no_room, reason
 from gradaccum.utils.errors import BadInput, RunFailed
 
@@ -83,6 +83,7 @@ def _exit_now(code: int) -> None:
 
 def _main(argv: list[str] | None) -> int:
     argv = _join_negative_values(sys.argv[1:] if argv is None else list(argv))
+    args = None
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
@@ -92,7 +93,8 @@ def _main(argv: list[str] | None) -> int:
         return int(args.run(args) or 0)
     except BadInput as err:
         if os.environ.get("RANK", "0") == "0":  # under torchrun, say it once
-            print(f"{getattr(err, 'prog', 'gradaccum')}: error: {err}", file=sys.stderr)
+            line = in_config_file(err, args)
+            print(f"{getattr(err, 'prog', 'gradaccum')}: error: {line}", file=sys.stderr)
         return 2
     except RunFailed as err:
         print(f"gradaccum: error: {err}", file=sys.stderr)
