@@ -24,6 +24,7 @@ from gradaccum.train import micro_batch
 from gradaccum.train.checks import holds_sft_stage
 from gradaccum.train.config import FLAGS, TrainConfig, merge_settings
 from gradaccum.train.rundir import checkpoint
+from gradaccum.train.rundir.lock import refuse_if_held
 from gradaccum.train.rundir.metrics import read_metrics_text
 from gradaccum.train.rundir.settings import RESUME_AUTO, read_resume
 from gradaccum.train.schedule import Schedule
@@ -114,6 +115,7 @@ def settings_to_resume(given: dict) -> dict:
     out = given.get("out")
     if out is None:
         raise BadInput("--resume: needs --out naming the run to continue")
+    refuse_if_held(out)  # a live run may not have written its first checkpoint yet
     path, skipped = checkpoint.newest_intact(out)
     if path is None and not skipped and holds_sft_stage(out):
         return given  # --task grpo stopped in its SFT stage, or before GRPO's first checkpoint
