@@ -155,7 +155,16 @@ def _sync(i: PlanInputs, held, shape, setup, held_setup, mesh: Mesh, batch, fit_
     if world == 1 or held is None or k is None:
         return None, held_setup, fit_cap
     sync = sync_plan(
-        i.sync, held, shape, setup, mesh, k, batch.micro_batch, i.seq_len, i.device_memory
+        i.sync,
+        held,
+        shape,
+        setup,
+        mesh,
+        k,
+        batch.micro_batch,
+        i.seq_len,
+        i.device_memory,
+        i.base_bits,
     )
     if i.sync == "auto" and sync.policy != "window":
         held_setup = policy_setup(setup, sync.policy, mesh)
