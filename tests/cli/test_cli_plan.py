@@ -328,3 +328,20 @@ def test_bad_schedules_exit_2_with_one_line(capsys, schedule, rest, named):
     code, out, err = run_plan(capsys, "--batch-schedule", schedule, *rest)
     assert code == 2 and out == "" and err.count("\n") == 1
     assert named in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("name", ["tiny", "small"])
+@pytest.mark.parametrize("given", [[], ["--seq-len", "256", "--vocab", "1000"]])
+def test_plan_counts_the_built_in_gpt_as_train_builds_it(capsys, name, given):
+    # Without --seq-len and --vocab, the trainer's defaults: 128 positions, the built-in
+    # corpus's vocabulary; the parameters counted on the model train builds.
+    from gradaccum.data.corpus import MarkovCorpus
+    from gradaccum.models.build import build_model
+    from gradaccum.train.config import TrainConfig
+
+    code, out, err = run_plan(capsys, "--model", name, *given, "--json")
+    assert code == 0 and err == "", err
+    seq_len = int(given[1]) if given else TrainConfig().seq_len
+    vocab = int(given[3]) if given else MarkovCorpus().vocab_size
+    model, _ = build_model(preset=name, vocab_size=vocab, seq_len=seq_len)
+    assert json.loads(out)["params"] == sum(p.numel() for p in model.parameters())

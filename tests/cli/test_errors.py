@@ -1,5 +1,7 @@
 """One bad-input type: BadInput, a one-line message naming the flag and the value, exit 2."""
 
+import json
+
 import pytest
 
 from gradaccum.cli import main
@@ -60,3 +62,23 @@ def test_the_command_says_its_name_once(capsys, argv, start):
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(start), lines
     assert lines[0].count("gradaccum") == 1
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["plan", "--micro-batch", "0"],
+        ["fit", "--seq-len", "0"],
+        ["verify", "--k", "0"],
+        ["train", "--lr", "0"],
+        ["bench", "--rounds", "0"],
+        ["plan", "--bogus-flag"],  # refused before the flags are read: --json still heard
+    ],
+)
+def test_with_json_stdout_carries_the_error_as_one_object(capsys, argv):
+    assert main([*argv, "--json"]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in captured.err
+    said = json.loads(captured.out)  # one object, nothing else
+    assert said == {"error": lines[0].split(": error: ", 1)[1], "exit_code": 2}

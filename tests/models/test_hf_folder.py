@@ -262,6 +262,25 @@ def test_an_encoder_folder_is_refused_naming_its_architecture(tmp_path):
     )
 
 
+def test_an_encoder_with_a_vocabulary_too_small_is_refused_for_its_architecture(tmp_path):
+    # The data's 512 ids do not fit BERT's 100 either; the architecture is what no vocabulary
+    # would fix, so it is named first.
+    folder = str(tmp_path / "bert")
+    config = transformers.BertConfig(
+        vocab_size=100,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
+    transformers.BertForMaskedLM(config).save_pretrained(folder)
+    with pytest.raises(BadInput) as err:
+        build_model(init_from=folder, vocab_size=512, seq_len=32)
+    assert one_line(err).startswith(f"--init-from {folder}: model_type bert builds ")
+    assert "vocabulary holds" not in one_line(err)
+
+
 def test_an_encoder_decoder_folder_is_no_causal_lm(tmp_path):
     folder = str(tmp_path / "t5")
     config = transformers.T5Config(

@@ -185,3 +185,20 @@ def test_4_8_and_16_bits_by_hand(layers, heads, head_dim, vocab, rank):
 def _linears(shape):
     h, f = shape.hidden, shape.ffn_size
     return [(h, h)] * 4 + [(h, f), (f, h)]
+
+
+@pytest.mark.parametrize("memory", ["24GB", "80GB"])
+def test_sync_auto_with_a_quantised_base_chooses_what_train_runs(capsys, memory):
+    # At 24GB nothing fits and micro needs the least memory: auto chose micro, which train
+    # refuses with --base-bits. Whatever auto chooses, train must take it.
+    from gradaccum.train.config import TrainConfig
+
+    argv = ["plan", "--sync", "auto", "--base-bits", "4", "--lora-rank", "16", "--model",
+            "llama2-7b", "--gpus", "8", "--micro-batch", "1", "--accum-steps", "4",
+            "--seq-len", "2048", "--device-memory", memory]  # fmt: skip
+    assert main([*argv, "--json"]) == 0
+    sync = json.loads(capsys.readouterr().out)["sync"]
+    TrainConfig(sync=sync["policy"], base_bits=4, lora_rank=16)  # refused: BadInput
+    assert "--base-bits 4" in sync["why"] and "not sharded" in sync["why"]
+    assert main(argv) == 0
+    assert "8 devices = 1 node x 8;" in capsys.readouterr().out

@@ -116,3 +116,20 @@ def test_a_key_no_setting_of_the_command_has_is_named(tmp_path, capsys):
     assert "expected keys and values" in one_line_error(capsys, ["plan", "--config", str(path)])
     path.write_text("k: [unclosed\n")
     assert "not a readable YAML file" in one_line_error(capsys, ["verify", "--config", str(path)])
+
+
+def test_a_bad_value_from_a_file_names_the_file_and_its_key(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text("batch:\n  micro_batch: 0\n")
+    out = tmp_path / "run"
+    line = one_line_error(capsys, ["train", "--config", str(path), "--out", str(out)])
+    assert f"--config {path}, key batch.micro_batch: --micro-batch 0: " in line, line
+    assert not out.exists()
+    # found once the settings are read together: still the file's key
+    path.write_text("optimizer:\n  warmup-steps: 10\nmax_steps: 5\n")
+    line = one_line_error(capsys, ["train", "--config", str(path), "--out", str(out)])
+    assert f"--config {path}, key optimizer.warmup-steps: --warmup-steps 10: " in line, line
+    # the command line's value is the command line's, the file not named
+    path.write_text("micro-batch: 2\n")
+    line = one_line_error(capsys, ["plan", "--config", str(path), "--micro-batch", "0"])
+    assert "--config" not in line and "--micro-batch 0" in line

@@ -125,6 +125,17 @@ def test_bad_values_found_after_reading_the_data_write_nothing(capsys, tmp_path,
         assert not out.exists()
 
 
+def test_a_seq_len_past_the_default_step_is_named_with_its_bound(capsys, tmp_path):
+    # No --tokens-per-step given: the default 8192 stands, and --seq-len is what overflows it
+    # (the built-in corpus is long enough for the sequence).
+    out = tmp_path / "run"
+    argv = ["train", "--out", str(out), "--seq-len", "100000"]
+    line = one_line_error(capsys, argv).removeprefix("gradaccum: error: ")
+    assert line.startswith("--seq-len 100000: one sequence on each of 1 rank(s) is 100000 "), line
+    assert "--tokens-per-step 8192 (the default)" in line and "at most 8192" in line
+    assert not out.exists()
+
+
 def test_out_that_is_a_file_or_holds_a_run(capsys, tmp_path, data):
     a_file = tmp_path / "file"
     a_file.write_text("x")

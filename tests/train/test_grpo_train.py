@@ -147,6 +147,17 @@ def test_settings_grpo_does_not_take(tmp_path, capsys, argv, start):
     assert not out.exists()
 
 
+def test_pretraining_data_is_refused_naming_grpo_and_what_it_reads(tmp_path, capsys):
+    text = tmp_path / "text.txt"
+    text.write_text("hello world\n")
+    out = tmp_path / "run"
+    argv = ["train", "--task", "grpo", "--data", str(text), "--out", str(out)]
+    line = one_line_error(capsys, argv, stdout_empty=False)
+    assert f"--data {text}: a .txt file is text or tokens for pretraining; --task grpo reads " \
+        "a .jsonl" in line, line  # fmt: skip
+    assert "--task sft" not in line and not out.exists()
+
+
 def test_the_policy_learns_what_the_reward_asks(tmp_path, rewards):
     # From the random start a completion holds an "a" about once in 257 draws; the reward
     # is the share of "a" in it. Sixteen steps of GRPO make "a" the model's usual draw: the

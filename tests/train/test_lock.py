@@ -3,12 +3,16 @@ never removed from under another process that holds it."""
 
 import fcntl
 import os
+import subprocess
+import sys
 
 import pytest
 
 from gradaccum.train.rundir import lock as lock_module
 from gradaccum.train.rundir.lock import LOCK_FILE, RunLock
 from gradaccum.utils.errors import BadInput
+
+from .helpers import one_line_error
 
 
 def test_release_removes_the_lock_file(tmp_path):
@@ -45,3 +49,20 @@ def test_a_lock_taken_as_its_holder_releases_it_is_taken_on_the_file_at_the_path
         RunLock(out).acquire()  # the folder is the second run's: a third is refused
     second.release()
     assert not os.path.exists(os.path.join(out, LOCK_FILE))
+
+
+def test_resume_on_a_folder_a_live_run_holds_names_that_run(tmp_path, capsys):
+    # The other run holds the lock and has no checkpoint yet: it is in use, not empty.
+    out = str(tmp_path / "run")
+    hold = "import sys; from gradaccum.train.rundir.lock import RunLock; "
+    hold += f"RunLock({out!r}).acquire(); print('held', flush=True); sys.stdin.read()"
+    holder = subprocess.Popen([sys.executable, "-c", hold], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        line = one_line_error(capsys, ["train", "--resume", "--out", out])
+        assert f"--out {out}: in use by a running run (pid {holder.pid} on " in line, line
+    finally:
+        holder.stdin.close()  # its read returns: the holder ends, the kernel drops the lock
+        holder.wait(timeout=30)
+    assert os.listdir(out) == [LOCK_FILE]  # the refused resume wrote nothing

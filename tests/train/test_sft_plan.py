@@ -89,3 +89,14 @@ def test_the_table_names_the_steps_contents_not_seq_len_sequences(tmp_path, caps
         assert row in table, row
     for row in ("global batch", "sequence length", "target "):  # pretraining's rows
         assert row not in table, row
+
+
+@pytest.mark.parametrize("given", [[], ["--examples-per-step", "32"]])
+def test_the_examples_per_step_are_marked_default_only_when_not_given(tmp_path, capsys, given):
+    from gradaccum.cli import main
+
+    argv = ["train", "--task", "sft", "--max-steps", "1", "--eval-every", "0", *given]
+    assert main([*argv, "--out", str(tmp_path / "r")]) == 0
+    table = capsys.readouterr().out.split("length ")[0]
+    assert "--examples-per-step 32" in table
+    assert ("--examples-per-step 32 (default)" in table) == (not given), table

@@ -117,6 +117,14 @@ def test_the_reference_is_the_loop_by_hand(loss_type, beta):
     assert rel_error(got, want) <= 1e-9
 
 
+def test_data_is_refused_naming_grpo_and_what_it_checks(capsys):
+    code = main(["verify", "--task", "grpo", *SMALL, "--data", "prompts.jsonl"])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "--data prompts.jsonl: needs --task sft; --task grpo samples its window" in err, err
+    assert "pretraining" not in err
+
+
 @pytest.mark.parametrize(
     "argv, words",
     [

@@ -15,8 +15,8 @@ import sys
 import threading
 
 from gradaccum import __version__
-from gradaccum.cli.common import ArgumentParser
-from gradaccum.settings.command import build_program
+from gradaccum.cli.common import ArgumentParser, print_json
+from gradaccum.settings.command import build_program, in_config_file
 from gradaccum.utils.atomic import interrupted, no_room, reason
 from gradaccum.utils.errors import BadInput, RunFailed
 
@@ -83,6 +83,7 @@ def _exit_now(code: int) -> None:
 
 def _main(argv: list[str] | None) -> int:
     argv = _join_negative_values(sys.argv[1:] if argv is None else list(argv))
+    args = None
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
@@ -92,10 +93,13 @@ def _main(argv: list[str] | None) -> int:
         return int(args.run(args) or 0)
     except BadInput as err:
         if os.environ.get("RANK", "0") == "0":  # under torchrun, say it once
-            print(f"{getattr(err, 'prog', 'gradaccum')}: error: {err}", file=sys.stderr)
+            line = in_config_file(err, args)
+            print(f"{getattr(err, 'prog', 'gradaccum')}: error: {line}", file=sys.stderr)
+            _json_error(argv, args, str(line), 2)
         return 2
     except RunFailed as err:
         print(f"gradaccum: error: {err}", file=sys.stderr)
+        _json_error(argv, args, str(err), 1)
         return 1
     except KeyboardInterrupt as err:  # its text, when there is one, says what was kept
         print(" ".join(["gradaccum: interrupted", str(err)]).rstrip(), file=sys.stderr)
@@ -114,6 +118,14 @@ def _main(argv: list[str] | None) -> int:
             raise
         print(f"gradaccum: error: {full.filename or 'a file'}: {reason(full)}", file=sys.stderr)
         return 1
+
+
+def _json_error(argv: list[str], args, line: str, code: int) -> None:
+    """With --json, the error as one JSON object on stdout too: a program reading stdout
+    learns the command failed and why, not only from an empty output. `argv` names --json
+    where the flags could not be parsed (`args` None)."""
+    if getattr(args, "json", False) or "--json" in argv:
+        print_json({"error": line, "exit_code": code})
 
 
 if __name__ == "__main__":

@@ -87,7 +87,8 @@ COMMAND = Command(
     ),
     run="plan",
     epilog=_EPILOG,
-    defaults={"precision": DEFAULT_PRECISION, "seq_len": None, "accum_steps": None},
+    # No --model by default: the plan counts a model only when one is named.
+    defaults={"precision": DEFAULT_PRECISION, "seq_len": None, "accum_steps": None, "model": None},
     notes={
         "base_bits": "The plan also takes 16 (a bf16 base under --precision fp32), and "
         "--trainable-params in place of --lora-rank; 4 and 8 need a model shape."

@@ -224,6 +224,12 @@ def _model_source(args) -> tuple[str | None, str | None]:
     return None, None
 
 
+OWN_DATA = {
+    "pretrain": "checks token sequences it draws itself",
+    "grpo": "samples its window from the built-in instruction set's prompts, no --data",
+}
+"""What the checks other than --task sft run on, for the line refusing their --data."""
+
 SFT_READING = ("data_format", "train_on_prompt", "drop_long", "skip_bad_rows")
 """How --task sft reads its rows: flags the pretraining check has no use for."""
 
@@ -238,8 +244,8 @@ def _check_task(args) -> None:
                 raise BadInput(flag_name(name), value, "needs --task grpo")
     if args.task != "sft":
         if args.data is not None:
-            raise BadInput("--data", args.data, "needs --task sft (the pretraining check "
-                           "draws its own token sequences)")  # fmt: skip
+            raise BadInput("--data", args.data, f"needs --task sft; --task {args.task} "
+                           f"{OWN_DATA[args.task]}")  # fmt: skip
         if args.data_split != DEFAULT_SPLIT:
             raise BadInput("--data-split", args.data_split, "needs --task sft")
         for name in SFT_READING:

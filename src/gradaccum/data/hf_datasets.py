@@ -42,15 +42,15 @@ def saved_kind(path: str) -> str | None:
 
 
 def folder_problem(path: str, task: str) -> str | None:
-    """Why the folder `path` cannot be `--data` of `task` ("pretrain" or "sft"), in one line;
-    None when it can (a save_to_disk folder under --task sft)."""
+    """Why the folder `path` cannot be `--data` of `task` ("pretrain", or "sft" and "grpo",
+    which read rows), in one line; None when it can (a save_to_disk folder of rows)."""
     kind = saved_kind(path)
-    if task == "sft":
+    if task != "pretrain":
         if kind is not None:
             return None
         return (
             f"--data {path}: is a folder, but not one written by save_to_disk (it holds "
-            f"neither {DATASET_DICT_FILE} nor {' and '.join(DATASET_FILES)}); --task sft "
+            f"neither {DATASET_DICT_FILE} nor {' and '.join(DATASET_FILES)}); --task {task} "
             f"reads {SOURCES['sft']}"
         )
     if kind is not None:  # the pretraining reader takes it by name: its "text" column

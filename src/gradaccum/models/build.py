@@ -80,19 +80,26 @@ def _quantized(preset, config_path, init_from, vocab_size, seq_len, dropout, dty
     if init_from is not None and _is_hf_folder(init_from):
         folder = hf_folder.read_folder(init_from, flag="--init-from")
         config = folder.config
-        positions = max_positions(config) or UNBOUNDED
-        check_fits("--init-from", init_from, config.vocab_size, positions, vocab_size, seq_len)
         # Computed in fp32, a bf16 folder is loaded in fp32 before it is quantised: else
         # bitsandbytes' backward would use the bf16 weights its forward does not.
         loaded = "fp32" if quant.compute_dtype == "fp32" else dtype
         stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
         model = hf_folder.load_model(folder, dtype=loaded, quant=quant, device=device)
+        _check_fits_folder(folder, vocab_size, seq_len)
         model.base_dtype = stored  # what --merge-lora saves in (models.lora.base_dtype)
         source = f"HF {folder.describe()} from {init_from}"
         return model, hf_info(model, model.config, source, seq_len)
     model, info = build_model(preset, config_path, init_from, vocab_size, seq_len, dropout, dtype)
     quantized.quantize_linears(model, quant, device)
     return model, info
+
+
+def _check_fits_folder(folder: hf_folder.HFFolder, vocab_size, seq_len) -> None:
+    """`check_fits` for a Hugging Face folder, called once `load_model` has refused an encoder:
+    a model that cannot train here (BERT) is refused as such, whatever its vocabulary."""
+    config = folder.config
+    positions = max_positions(config) or UNBOUNDED
+    check_fits("--init-from", folder.path, config.vocab_size, positions, vocab_size, seq_len)
 
 
 def _is_hf_folder(directory: str) -> bool:
@@ -123,10 +130,8 @@ def gpt_info(model: GPT, source: str) -> ModelInfo:
 def _from_hf_folder(directory: str, vocab_size, seq_len, dtype: str):
     """A folder as transformers' save_pretrained writes it (gradaccum.models.hf_folder)."""
     folder = hf_folder.read_folder(directory, flag="--init-from")
-    config = folder.config
-    positions = max_positions(config) or UNBOUNDED
-    check_fits("--init-from", directory, config.vocab_size, positions, vocab_size, seq_len)
     model = hf_folder.load_model(folder, dtype=dtype)
+    _check_fits_folder(folder, vocab_size, seq_len)
     # model.config, not the folder's: it records the dtype loaded (fp32 when upcast), which a
     # checkpoint's config.json must carry for from_config to rebuild the same model.
     source = f"HF {folder.describe()} from {directory}"

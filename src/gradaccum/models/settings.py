@@ -29,7 +29,9 @@ class ModelSettings:
 
     model: str | None = setting(None, "str", metavar="PRESET", default_text=DEFAULT_MODEL)
     """The built-in GPT to build: tiny, small, gpt2-124m or tiny-moe (a mixture of experts);
-    for `plan`, a model shape (llama2-7b, ...) whose parameters and memory it counts."""
+    for `plan`, a model shape whose parameters and memory it counts: a published one
+    (llama2-7b, ...; gpt2-124m is GPT-2's) or tiny or small (the vocabulary --vocab's, else
+    the built-in corpus's)."""
     model_config: str | None = setting(None, "path")
     """A Hugging Face config.json: the causal LM it describes, random init, no download."""
     init_from: str | None = setting(None, "path", metavar="DIR")

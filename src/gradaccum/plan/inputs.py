@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from gradaccum.plan.batch_schedule import LR_RULES, BatchSchedule, parse_batch_schedule
 from gradaccum.plan.memory import CHECKPOINTING, OPTIMIZERS
-from gradaccum.plan.presets import preset
+from gradaccum.plan.presets import BUILTIN_ONLY, preset
 from gradaccum.plan.quantized import BASE_BITS
 from gradaccum.plan.settings import (
     PlanLRSettings,
@@ -188,6 +188,11 @@ class PlanInputs(
                     f"needs {', '.join(missing)}: it picks the fastest policy whose memory fits",
                 )
 
+    @property
+    def _builtin_model(self) -> bool:
+        """--model names a preset of the built-in GPT (not a published model's shape)."""
+        return self.model is not None and self.model.strip().lower() in BUILTIN_ONLY
+
     def _given(self, *names: str) -> list[str]:
         return [n for n in names if getattr(self, n) is not None]
 
@@ -204,7 +209,8 @@ class PlanInputs(
         ]
         # --params with a shape is allowed: the shape sizes activations, --params counts
         # what the shape formula leaves out (biases, learned positions, untied heads).
-        pairs += [("model", b) for b in shape]
+        # The built-in GPT takes its vocabulary from the data: --vocab may give it.
+        pairs += [("model", b) for b in shape if not (self._builtin_model and b == "vocab")]
         for a, b in pairs:
             if getattr(self, a) is not None and getattr(self, b) is not None:
                 raise BadInput(
@@ -237,6 +243,8 @@ class PlanInputs(
     def _check_companions(self) -> None:
         shape = ("layers", "hidden", "heads", "vocab")
         given = self._given(*shape)
+        if self._builtin_model and given == ["vocab"]:  # the data's vocabulary, not a shape
+            given = []
         if given and len(given) < len(shape):
             missing = ", ".join(flag_name(n) for n in shape if n not in given)
             first = given[0]

@@ -28,7 +28,7 @@ from gradaccum.utils.errors import BadInput
 
 def _model(i: PlanInputs) -> tuple[ModelShape | None, int | None]:
     if i.model is not None:
-        shape = preset(i.model)
+        shape = preset(i.model, i.seq_len, i.vocab)
         return shape, shape.params
     if i.layers is not None:
         shape = custom(i.layers, i.hidden, i.heads, i.vocab)
@@ -155,7 +155,16 @@ def _sync(i: PlanInputs, held, shape, setup, held_setup, mesh: Mesh, batch, fit_
     if world == 1 or held is None or k is None:
         return None, held_setup, fit_cap
     sync = sync_plan(
-        i.sync, held, shape, setup, mesh, k, batch.micro_batch, i.seq_len, i.device_memory
+        i.sync,
+        held,
+        shape,
+        setup,
+        mesh,
+        k,
+        batch.micro_batch,
+        i.seq_len,
+        i.device_memory,
+        i.base_bits,
     )
     if i.sync == "auto" and sync.policy != "window":
         held_setup = policy_setup(setup, sync.policy, mesh)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gradaccum.utils.choices import BUILTIN_MODELS
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -131,12 +133,49 @@ MODEL_SHAPES: dict[str, ModelShape] = {
 }
 
 
-def preset(name: str) -> ModelShape:
-    """The preset called `name` (case-insensitive); KeyError listing the known names otherwise."""
+BUILTIN_VOCAB = 512
+"""The built-in corpus's vocabulary (`gradaccum.data.corpus.MarkovCorpus.vocab_size`): the
+built-in GPT's when the plan is given no --vocab (the trainer takes it from the data)."""
+
+BUILTIN_POSITIONS = 128
+"""The trainer's --seq-len default: the built-in GPT's learned positions when the plan is
+given no --seq-len."""
+
+
+BUILTIN_ONLY = tuple(n for n in BUILTIN_MODELS if n not in MODEL_SHAPES)
+"""Presets of the built-in GPT whose names no published shape takes (gpt2-124m is GPT-2's)."""
+
+
+def preset(name: str, seq_len: int | None = None, vocab: int | None = None) -> ModelShape:
+    """The shape called `name` (case-insensitive): a published model's (MODEL_SHAPES, where
+    gpt2-124m is GPT-2's own), or a dense preset of the built-in GPT (`builtin_shape`, its
+    positions `seq_len` and vocabulary `vocab`); KeyError listing the known names otherwise."""
     key = name.strip().lower()
-    if key not in MODEL_SHAPES:
-        raise KeyError(f"unknown model {name!r}; known: {', '.join(MODEL_SHAPES)}")
-    return MODEL_SHAPES[key]
+    if key in MODEL_SHAPES:
+        return MODEL_SHAPES[key]
+    dense = [n for n, spec in BUILTIN_MODELS.items() if "n_expert" not in spec]
+    if key in dense:
+        return builtin_shape(key, seq_len, vocab)
+    known = ", ".join([*MODEL_SHAPES, *(n for n in dense if n not in MODEL_SHAPES)])
+    if key in BUILTIN_MODELS:  # a ModelShape has no experts to count
+        raise KeyError(f"a mixture of experts: the plan counts dense shapes only; known: {known}")
+    raise KeyError(f"unknown model {name!r}; known: {known}")
+
+
+def builtin_shape(name: str, seq_len: int | None, vocab: int | None) -> ModelShape:
+    """The built-in GPT preset `name` (`BUILTIN_MODELS`) as `gradaccum train --model` builds
+    it: GPT-2's layout (biases, fused q, k, v, a learned position per token of `seq_len`, the
+    head tied), its vocabulary the data's (`vocab`, default the built-in corpus's)."""
+    spec = BUILTIN_MODELS[name]
+    return ModelShape(
+        name,
+        spec["n_layer"],
+        spec["n_embd"],
+        spec["n_head"],
+        BUILTIN_VOCAB if vocab is None else vocab,
+        biases=True,
+        positions=BUILTIN_POSITIONS if seq_len is None else seq_len,
+    )
 
 
 def custom(layers: int, hidden: int, heads: int, vocab: int) -> ModelShape:

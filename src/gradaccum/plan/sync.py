@@ -198,17 +198,22 @@ def choose(costs: list[PolicyCost], device_memory: int | None) -> tuple[str, str
     return best.policy, why
 
 
-def sync_plan(policy, params, shape, setup, mesh, k, micro_batch, seq_len, device_memory):
+def sync_plan(
+    policy, params, shape, setup, mesh, k, micro_batch, seq_len, device_memory, base_bits=None
+):
     """Every policy's cost for this plan, and the plan's own (`policy`, or auto's choice).
 
     `setup` is the plan's (window) MemorySetup over all w devices; `params` those held, of
-    which `setup.trained` have gradients."""
+    which `setup.trained` have gradients. base_bits: --base-bits; a base in 4 or 8 bits
+    leaves auto window alone (`unsharded_choice`)."""
     names = [p for p in POLICIES if p != "hsdp" or mesh.nodes >= 2]
     costs = [
         _cost(p, params, shape, setup, mesh, k, micro_batch, seq_len, device_memory) for p in names
     ]
     why = None
-    if policy == "auto":
+    if policy == "auto" and base_bits is not None and base_bits < 16:
+        policy, why = unsharded_choice(costs, base_bits, device_memory)
+    elif policy == "auto":
         policy, why = choose(costs, device_memory)
     return SyncPlan(
         policy=policy,
@@ -221,12 +226,27 @@ def sync_plan(policy, params, shape, setup, mesh, k, micro_batch, seq_len, devic
     )
 
 
+def unsharded_choice(costs: list[PolicyCost], bits: int, device_memory) -> tuple[str, str]:
+    """auto with --base-bits 4 or 8: window, the one policy `gradaccum train` runs with a
+    quantised base (micro and hsdp shard the model with FSDP2, which shards no 4- or 8-bit
+    weights); (policy, why in one line). The others' costs stay in the table, for
+    comparison."""
+    window = next(c for c in costs if c.policy == "window")
+    fits = "fits" if window.fits else "does not fit"
+    return "window", (
+        f"the only policy gradaccum train runs with --base-bits {bits} (micro and hsdp shard "
+        f"the model, and a base in {bits} bits is not sharded); it {fits} --device-memory "
+        f"{fmt_bytes(device_memory)}"
+    )
+
+
 def mesh_words(plan: SyncPlan) -> str:
     """'64 devices = 8 nodes x 8; within a node 300 GB/s, across nodes 50 GB/s per device'."""
     intra = fmt_bandwidth(plan.intra_node_bw_gb_s * 1e9)
     inter = fmt_bandwidth(plan.inter_node_bw_gb_s * 1e9)
     w = plan.nodes * plan.gpus_per_node
     return (
-        f"{w} devices = {plan.nodes} nodes x {plan.gpus_per_node}; within a node {intra}, "
+        f"{w} devices = {plan.nodes} node{'s' if plan.nodes != 1 else ''} x "
+        f"{plan.gpus_per_node}; within a node {intra}, "
         f"across nodes {inter} per device and direction"
     )

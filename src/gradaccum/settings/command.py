@@ -16,8 +16,8 @@ from dataclasses import MISSING, Field, dataclass, field, fields
 
 from gradaccum.settings.docs import field_docs, title
 from gradaccum.settings.field import Flag, flag_of, read_value
-from gradaccum.settings.files import read_config
-from gradaccum.utils.errors import flag_name
+from gradaccum.settings.files import from_file, read_config
+from gradaccum.utils.errors import BadInput, flag_name
 
 CONFIG_HELP = (
     "a YAML, TOML or JSON file of these settings: the flag names as keys (with - or _), flat "
@@ -168,9 +168,20 @@ def given(args: argparse.Namespace) -> dict:
     line. Nothing here fills a default."""
     command: Command = args.command_spec
     known = command.fields()
-    from_file = read_config(args.config_file, known, _sections(command)) if args.config_file else {}
+    from_file, keys = {}, {}
+    if args.config_file:
+        from_file, keys = read_config(args.config_file, known, _sections(command))
     on_line = {k: v for k, v in vars(args).items() if k in known}
-    return merge(from_file, on_line, command.exclusive)
+    values = merge(from_file, on_line, command.exclusive)
+    # What still comes from the file, for `in_config_file` to name its key.
+    args.config_keys = {n: k for n, k in keys.items() if n not in on_line and n in values}
+    return values
+
+
+def in_config_file(err: BadInput, args: argparse.Namespace | None) -> BadInput:
+    """`err`, naming the --config file and key when its flag's value came from there."""
+    keys = getattr(args, "config_keys", None)
+    return from_file(err, args.config_file, keys) if keys else err
 
 
 def _sections(command: Command) -> dict[str, tuple[str, ...]]:

@@ -23,27 +23,39 @@ from gradaccum.utils.errors import BadInput, first_line
 KINDS = {".yaml": "YAML", ".yml": "YAML", ".toml": "TOML", ".json": "JSON"}
 
 
-def read_config(path: str, known, sections: dict[str, tuple[str, ...]]) -> dict:
-    """The settings a file sets, by field name: flat keys or a section per component."""
+def read_config(
+    path: str, known, sections: dict[str, tuple[str, ...]]
+) -> tuple[dict, dict[str, str]]:
+    """The settings a file sets, by field name (flat keys or a section per component), and
+    the key each was written under ("batch.micro_batch", "lr"): a bad value is named by it."""
     data = _load(path)
-    values, unknown = {}, []
+    values, keys, unknown = {}, {}, []
     for key, value in data.items():
         name = key.replace("-", "_")
         if name in sections and isinstance(value, dict):  # a component's section
             for inner, inner_value in value.items():
                 inner_name = inner.replace("-", "_")
                 if inner_name in known:
-                    values[inner_name] = inner_value
+                    values[inner_name], keys[inner_name] = inner_value, f"{key}.{inner}"
                 else:
                     unknown.append(f"{key}.{inner}")
         elif name in known:
-            values[name] = value
+            values[name], keys[name] = value, key
         else:
             unknown.append(key)
     if unknown:
         s = "s" if len(unknown) > 1 else ""
         raise BadInput("--config", path, f"unknown key{s} {', '.join(sorted(unknown))}")
-    return values
+    return values, keys
+
+
+def from_file(err: BadInput, path: str, keys: dict[str, str]) -> BadInput:
+    """`err` with the file and key it came from in front when the flag it names took its
+    value from the config file at `path` (`keys`: field name -> key), else `err` itself."""
+    name = (err.flag or "").removeprefix("--").replace("-", "_")
+    if name not in keys:
+        return err
+    return BadInput(f"--config {path}, key {keys[name]}: {err}")
 
 
 def _load(path: str) -> dict:

@@ -23,7 +23,7 @@ from gradaccum.data.hf_datasets import folder_problem
 from gradaccum.parallel import devices
 from gradaccum.train.config import FLAGS, TrainConfig
 from gradaccum.train.rundir import checkpoint, trackers
-from gradaccum.train.rundir.lock import LOCK_FILE, RunLock
+from gradaccum.train.rundir.lock import LOCK_FILE, refuse_if_held
 from gradaccum.train.rundir.settings import LEGACY_SETTINGS_FILE, RESUME_AUTO, SETTINGS_FILE
 from gradaccum.utils.choices import check_builtin_model
 from gradaccum.utils.errors import BadInput
@@ -242,13 +242,7 @@ def check_run_folder(out: str, resume: bool) -> None:
 
     A folder whose run stopped before its first checkpoint (a double Ctrl-C at the start)
     holds nothing to resume: a new run may start over in it."""
-    holder = RunLock(out).holder()
-    if holder is not None:
-        raise BadInput(
-            "--out",
-            out,
-            f"in use by a running run ({holder}); wait for it or choose another folder",
-        )
+    refuse_if_held(out)
     has_checkpoint = bool(checkpoint.step_folders(out))
     finished = os.path.exists(os.path.join(out, "model.pt"))
     if holds_sft_stage(out):

@@ -99,8 +99,6 @@ class TrainConfig(*reversed(COMPONENTS)):
         for name, value in TASK_DEFAULTS[self.task].items():
             if getattr(self, name) is None and not (name == "max_steps" and given_length):
                 setattr(self, name, value)
-        if self.task == "sft" and self.examples_per_step is None and self.tokens_per_step is None:
-            self.examples_per_step = DEFAULT_EXAMPLES_PER_STEP
         self.lr_rule = self.lr_rule or "none"
         self._check_together()
 
@@ -246,6 +244,20 @@ class TrainConfig(*reversed(COMPONENTS)):
         if self.tokens_per_step is None and self.accum_steps is None:
             return DEFAULT_TOKENS_PER_STEP
         return self.tokens_per_step
+
+    @property
+    def examples_defaulted(self) -> bool:
+        """--task sft with neither --examples-per-step nor --tokens-per-step: a step is
+        DEFAULT_EXAMPLES_PER_STEP examples (--examples-per-step is left None, so that a value
+        the user gives, the default's included, is told from it)."""
+        given = (self.examples_per_step, self.tokens_per_step)
+        return self.task == "sft" and all(x is None for x in given)
+
+    @property
+    def target_examples_per_step(self) -> int | None:
+        """--task sft: examples per optimizer step, --examples-per-step or its default
+        (`examples_defaulted`); None when --tokens-per-step counts the step instead."""
+        return DEFAULT_EXAMPLES_PER_STEP if self.examples_defaulted else self.examples_per_step
 
     @property
     def total_tokens(self) -> int | None:

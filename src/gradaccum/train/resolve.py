@@ -93,6 +93,27 @@ def resolve_run(
     return resolved
 
 
+def _no_whole_sequence(config: TrainConfig, flag: str, smallest: int, world_size: int):
+    """The BadInput for a step of `smallest` tokens below one sequence per rank. Without
+    --tokens-per-step (its default in force) the user's --seq-len is what overflowed it, so
+    the line names --seq-len and the bound; else the target that was given."""
+    seq_len, one_each = config.seq_len, config.seq_len * world_size
+    if config.tokens_per_step is None and config.batch_schedule is None:
+        return BadInput(
+            "--seq-len",
+            seq_len,
+            f"one sequence on each of {world_size} rank(s) is {one_each} tokens, more than "
+            f"a step's --tokens-per-step {smallest} (the default); give --seq-len at most "
+            f"{smallest // world_size} or --tokens-per-step at least {one_each}",
+        )
+    what = ""
+    if config.batch_schedule not in (None, AUTO):  # name the point, not a flag not given
+        what = f"its smallest target, {smallest} tokens per step, is "
+    return BadInput(
+        f"{flag}: {what}below one sequence of --seq-len {seq_len} on each of {world_size} rank(s)"
+    )
+
+
 def resolve_plan(
     config: TrainConfig,
     model_info,
@@ -130,13 +151,7 @@ def resolve_plan(
         base.update(sync=config.sync, zero=3, gpus_per_node=sharding.per_node(world_size))
     per_rank_seq = None if target is None else smallest // (seq_len * world_size)
     if target is not None and per_rank_seq < 1:
-        what = ""
-        if config.batch_schedule not in (None, AUTO):  # name the point, not a flag not given
-            what = f"its smallest target, {smallest} tokens per step, is "
-        raise BadInput(
-            f"{flag}: {what}below one sequence of --seq-len {seq_len} on each of "
-            f"{world_size} rank(s)"
-        )
+        raise _no_whole_sequence(config, flag, smallest, world_size)
 
     micro = config.micro_batch
     if micro == AUTO:

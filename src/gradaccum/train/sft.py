@@ -138,11 +138,11 @@ def load_data(config: TrainConfig) -> SFTParts:
         rows = rows_from_dicts(builtin_rows(config.seed), SOURCE)
         data = tokenize_rows(rows, tokenizer, source=SOURCE, **options)
     else:
-        data = load_sft(config.data, tokenizer, split=config.data_split, **options)
+        data = load_sft(config.data, tokenizer, config.data_split, config.task, **options)
     held = None  # --eval-data's examples: read and tokenized as --data's
     if config.eval_data is not None:
         with eval_set.reading_eval_data():
-            held = load_sft(config.eval_data, tokenizer, split=config.data_split, **options)
+            held = load_sft(config.eval_data, tokenizer, config.data_split, config.task, **options)
         train, val = data.examples, held.examples
     else:
         count = eval_set.heldout_count(config, len(data.examples), HELDOUT_MAX)
@@ -274,7 +274,7 @@ class SFTStream:
             examples,
             micro_batch=micro_batch,
             pad_id=pad_id,
-            examples_per_step=config.examples_per_step,
+            examples_per_step=config.target_examples_per_step,
             tokens_per_step=config.tokens_per_step,
             seed=config.seed,
             rank=rank,
@@ -347,7 +347,7 @@ def _ahead(config: TrainConfig, examples: list[Example], stop: int | None = None
         examples,
         micro_batch=1,
         pad_id=0,
-        examples_per_step=config.examples_per_step,
+        examples_per_step=config.target_examples_per_step,
         tokens_per_step=config.tokens_per_step,
         seed=config.seed,
         stop=stop,
@@ -405,8 +405,8 @@ def length_line(config: TrainConfig, examples: list[Example]) -> str:
 def examples_per_step(config: TrainConfig, examples: list[Example]) -> float:
     """Examples per window: --examples-per-step, or the mean of the first PLAN_WINDOWS
     windows of a --tokens-per-step run."""
-    if config.examples_per_step is not None:
-        return config.examples_per_step
+    if config.target_examples_per_step is not None:
+        return config.target_examples_per_step
     ahead, taken = _ahead(config, examples), 0
     for _ in range(PLAN_WINDOWS):
         indices = ahead.next_indices()

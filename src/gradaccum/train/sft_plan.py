@@ -27,7 +27,7 @@ from gradaccum.plan.sizes import fmt_count, fmt_int
 from gradaccum.plan.table import flops_text, memory_rows, render_rows
 from gradaccum.train import sft
 from gradaccum.train.config import TrainConfig
-from gradaccum.train.settings import DEFAULT_EXAMPLES_PER_STEP, TASK_DEFAULTS
+from gradaccum.train.settings import TASK_DEFAULTS
 
 SAMPLE = 64
 """Windows at the start of the run the plan cuts as the run will (at least the first 20
@@ -170,9 +170,9 @@ def rows(plan: SFTPlan, config: TrainConfig, resolved_plan) -> list[tuple]:
     model_row = ("model", fmt_count(resolved_plan.params), "parameters", model)
     what = "prompt and completion" if config.train_on_prompt else "completion"
     first = f"steps 1-{plan.sampled}" if plan.sampled > 1 else "step 1"
-    if config.examples_per_step is not None:
-        default = " (default)" if config.examples_per_step == DEFAULT_EXAMPLES_PER_STEP else ""
-        batch_how = f"--examples-per-step {config.examples_per_step}{default}"
+    if config.target_examples_per_step is not None:
+        default = " (default)" if config.examples_defaulted else ""
+        batch_how = f"--examples-per-step {config.target_examples_per_step}{default}"
         if plan.examples.min != plan.examples.max:  # the last window of --epochs
             batch_how += f"; the last {fmt_int(int(plan.examples.min))}"
     else:

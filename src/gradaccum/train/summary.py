@@ -121,7 +121,7 @@ def plot_title(records: list[dict], run: Run) -> str:
         )
     if config.task == "sft":
         counted = [r["counted_tokens"] for r in records if "counted_tokens" in r] or [0]
-        per_step = config.examples_per_step
+        per_step = config.target_examples_per_step
         size = f"{per_step} examples" if per_step else f"<= {config.tokens_per_step:,} tokens"
         return (
             f"{model_info.source}, --task sft, {size}/step "
@@ -226,7 +226,7 @@ def summary(run: Run, records: list[dict], stopped: str | None, wall_s: float) -
         "sync": run.config.sync or "window",
         # --task sft: the mean counted (target) tokens of a step, which vary by window
         "tokens_per_step": batch.tokens // max(steps, 1) if sft else batch.tokens_per_step,
-        "examples_per_step": config.examples_per_step,
+        "examples_per_step": config.target_examples_per_step,
         "batch_schedule": config.batch_schedule,
         "params": run.model_info.params,
         "lora": adapters.record_of(run.model_info),  # rank, targets, trainable count; None: no LoRA

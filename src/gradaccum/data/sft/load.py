@@ -140,10 +140,12 @@ class SFTData:
         return lines
 
 
-def load_sft(spec: str, tokenizer, split: str = DEFAULT_SPLIT, **options) -> SFTData:
-    """Read `--data spec` (`split`: --data-split) and tokenize it:
-    `tokenize_rows(read_rows(spec, split), ...)`."""
-    rows = read_rows(spec, split)
+def load_sft(
+    spec: str, tokenizer, split: str = DEFAULT_SPLIT, task: str = "sft", **options
+) -> SFTData:
+    """Read `--data spec` (`split`: --data-split; `task`: the --task reading it, named in its
+    refusals) and tokenize it: `tokenize_rows(read_rows(spec, split, task), ...)`."""
+    rows = read_rows(spec, split, task)
     return tokenize_rows(rows, tokenizer, source=source_name(spec, split), **options)
 
 

@@ -117,9 +117,10 @@ def alpaca_prompt(instruction: str, input_text: str = "") -> str:
 # ---- reading ------------------------------------------------------------------------------
 
 
-def read_rows(spec: str, split: str = DEFAULT_SPLIT) -> list[Row]:
+def read_rows(spec: str, split: str = DEFAULT_SPLIT, task: str = "sft") -> list[Row]:
     """The rows of `--data spec` (see the module docstring); `split`: --data-split, the split
-    of a DatasetDict (a save_to_disk folder, or hf:NAME naming none). Raises BadInput for a
+    of a DatasetDict (a save_to_disk folder, or hf:NAME naming none); `task`: the --task
+    reading them (sft, or grpo for its prompts), named in the refusals. Raises BadInput for a
     source that cannot be read at all (no such file, pretraining data, not JSON, a missing
     split, no rows); a row that cannot be read (a malformed .jsonl line) comes back with
     `error` set."""
@@ -127,16 +128,16 @@ def read_rows(spec: str, split: str = DEFAULT_SPLIT) -> list[Row]:
     if spec.startswith("hf:"):
         rows = _read_hf(spec, split)
     elif os.path.isdir(spec):
-        rows = _read_saved(spec, split)
+        rows = _read_saved(spec, split, task)
     else:
         ext = os.path.splitext(spec)[1].lower()
         if ext in PRETRAINING_SUFFIXES:
             raise BadInput(
-                f"{flag}: a {ext} file is text or tokens for pretraining; --task sft reads "
+                f"{flag}: a {ext} file is text or tokens for pretraining; --task {task} reads "
                 f"{SOURCES['sft']}"
             )
         if ext not in SFT_SUFFIXES:
-            raise BadInput(f"{flag}: unknown format for --task sft; expected {SOURCES['sft']}")
+            raise BadInput(f"{flag}: unknown format for --task {task}; expected {SOURCES['sft']}")
         if not os.path.isfile(spec):
             raise BadInput(f"{flag}: no such file")
         read = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet}[ext]
@@ -244,9 +245,9 @@ def _read_hf(spec: str, split: str) -> list[Row]:
     return [Row(f"{where} row {i}", i, item) for i, item in enumerate(ds)]
 
 
-def _read_saved(folder: str, split: str) -> list[Row]:
+def _read_saved(folder: str, split: str, task: str) -> list[Row]:
     """A save_to_disk folder's rows: a Dataset's, or split `split` of a DatasetDict's."""
-    problem = folder_problem(folder, "sft")
+    problem = folder_problem(folder, task)
     if problem is not None:
         raise BadInput(problem)
     ds = load_saved(folder, split, f"--data {folder}")

@@ -83,12 +83,7 @@ class RunLock:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
-                raise BadInput(
-                    "--out",
-                    self.out,
-                    f"in use by a running run ({self.holder()}); wait for it or choose "
-                    "another folder",
-                ) from None
+                raise in_use(self.out, self.holder()) from None
             if _same_file(fd, self.path):
                 return fd
             os.close(fd)
@@ -109,6 +104,21 @@ class RunLock:
     def __exit__(self, *exc):
         self.release()
         return False
+
+
+def in_use(out: str, holder: str | None) -> BadInput:
+    """The refusal of run folder `out` while the run `holder` (in words) holds its lock."""
+    return BadInput(
+        "--out", out, f"in use by a running run ({holder}); wait for it or choose another folder"
+    )
+
+
+def refuse_if_held(out: str) -> None:
+    """BadInput naming the run that holds `out`'s lock now; nothing when none does. Checked
+    before what the folder holds: a live run's folder is not yet what it will be."""
+    holder = RunLock(out).holder()
+    if holder is not None:
+        raise in_use(out, holder)
 
 
 def _same_file(fd: int, path: str) -> bool:

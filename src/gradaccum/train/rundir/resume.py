@@ -24,9 +24,11 @@ from gradaccum.train import micro_batch
 from gradaccum.train.checks import holds_sft_stage
 from gradaccum.train.config import FLAGS, TrainConfig, merge_settings
 from gradaccum.train.rundir import checkpoint
+from gradaccum.train.rundir.lock import refuse_if_held
 from gradaccum.train.rundir.metrics import read_metrics_text
 from gradaccum.train.rundir.settings import RESUME_AUTO, read_resume
 from gradaccum.train.schedule import Schedule
+from gradaccum.train.settings import DEFAULT_EXAMPLES_PER_STEP
 from gradaccum.utils.choices import DEFAULT_MODEL
 from gradaccum.utils.errors import BadInput, flag_name
 
@@ -114,6 +116,7 @@ def settings_to_resume(given: dict) -> dict:
     out = given.get("out")
     if out is None:
         raise BadInput("--resume: needs --out naming the run to continue")
+    refuse_if_held(out)  # a live run may not have written its first checkpoint yet
     path, skipped = checkpoint.newest_intact(out)
     if path is None and not skipped and holds_sft_stage(out):
         return given  # --task grpo stopped in its SFT stage, or before GRPO's first checkpoint
@@ -147,13 +150,25 @@ def open_checkpoint(config: TrainConfig, say) -> checkpoint.Checkpoint:
     ckpt = checkpoint.load(path)
     saved = ckpt.trainer_state["config"]
     for name, why in REFUSED.items():
-        if name in saved and getattr(config, name) != saved[name]:
+        if name in saved and _changes(name, config, saved):
             raise BadInput(
                 flag_name(name),
                 getattr(config, name),
                 f"the run in {config.out} was trained with {as_trained(name, ckpt)}; {why}",
             )
     return ckpt
+
+
+def _changes(name: str, config: TrainConfig, saved: dict) -> bool:
+    """Whether `config` changes setting `name` from the checkpoint's `saved` settings, as the
+    runs use it: an SFT step left to its default examples is DEFAULT_EXAMPLES_PER_STEP (saved
+    None), the same step as that number given."""
+    if name != "examples_per_step":
+        return getattr(config, name) != saved[name]
+    then = saved[name]
+    if then is None and saved.get("task") == "sft" and saved.get("tokens_per_step") is None:
+        then = DEFAULT_EXAMPLES_PER_STEP
+    return config.target_examples_per_step != then
 
 
 def as_trained(name: str, ckpt) -> str:
