@@ -88,10 +88,6 @@ def stopped_line(stopped: str, step: int, total: int, outputs: Outputs) -> str:
             f"{head}; checkpoint saved, continue with: gradaccum train --resume "
             f"--out {outputs.config.out}"
         )
-    failed = outputs.failed_save
-    if failed is not None and failed[0] == step:
-        kept = outputs.kept("free space and ")
-        return f"{head}; its checkpoint was not written ({failed[1]}), {kept}"
     return f"{head}, before its first window: nothing to save; {outputs.kept()}"
 
 
