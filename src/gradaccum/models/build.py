@@ -77,7 +77,7 @@ def _quantized(preset, config_path, init_from, vocab_size, seq_len, dropout, dty
 
     quantized.require_bitsandbytes(quant.bits)
     quantized.silence()
-    if init_from is not None and _is_hf_folder(init_from):
+    if init_from is not None and is_hf_folder(init_from):
         folder = hf_folder.read_folder(init_from, flag="--init-from")
         config = folder.config
         positions = max_positions(config) or UNBOUNDED
@@ -95,7 +95,7 @@ def _quantized(preset, config_path, init_from, vocab_size, seq_len, dropout, dty
     return model, info
 
 
-def _is_hf_folder(directory: str) -> bool:
+def is_hf_folder(directory: str) -> bool:
     """Whether --init-from names a Hugging Face folder rather than this project's checkpoint."""
     config = _read_config(directory)
     if config.get("model_type", GPT_MODEL_TYPE) == GPT_MODEL_TYPE:

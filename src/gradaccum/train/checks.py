@@ -20,6 +20,7 @@ except ImportError:  # Python 3.10
     import tomli as tomllib
 
 from gradaccum.data.hf_datasets import folder_problem
+from gradaccum.models.build import is_hf_folder
 from gradaccum.parallel import devices
 from gradaccum.train.config import FLAGS, TrainConfig
 from gradaccum.train.rundir import checkpoint, trackers
@@ -48,6 +49,9 @@ def prepare(config: TrainConfig) -> TrainConfig:
         check_paths(config)
     elif config.data is not None:
         check_paths(replace(config, model_config=None, init_from=None, model=None))
+    if config.init_from is not None and None in (config.lr, config.weight_decay):
+        # not given (a resume has its checkpoint's): a pretrained model's, or the task's
+        config = config.with_model_defaults(is_hf_folder(config.init_from))
     check_device(config.device)
     check_run_folder(config.out, config.resume)
     trackers.check_installed(config)  # --report-to, --tensorboard

@@ -14,6 +14,7 @@ from gradaccum.train.epochs import pretrain_length_line
 from gradaccum.train.rundir.best import BEST_FOLDER
 from gradaccum.train.rundir.metrics import plot_loss
 from gradaccum.train.rundir.outputs import Outputs
+from gradaccum.train.settings import optimizer_defaults
 from gradaccum.utils.errors import DiskFull
 
 if TYPE_CHECKING:
@@ -55,6 +56,7 @@ def opening_lines(run: Run) -> list[str]:
     ]
     lines[1:1] = [length_line(run)]  # after the table: the run's steps in epochs
     lines[3:3] = adapters.opening_lines(model_info)  # LoRA: targets, trainable parameters
+    lines[3:3] = pretrained_lines(config, model_info)
     if run.sharded:  # --sync micro or hsdp
         lines.append(sync_line(config.sync, run.rank_info.world_size))
     if device.type == "cpu" and config.precision != "fp32":
@@ -63,6 +65,21 @@ def opening_lines(run: Run) -> list[str]:
             "(few CPUs have fast low-precision matmuls); fp32 is the faster choice here"
         )
     return lines
+
+
+def pretrained_lines(config, model_info) -> list[str]:
+    """A Hugging Face model from --init-from: its lr and weight decay and where they come
+    from, since a pretrained model's defaults are not the built-in GPT's
+    (`train.settings.optimizer_defaults`)."""
+    if config.init_from is None or model_info.kind != "hf":
+        return []
+    defaults = optimizer_defaults(config.task, config.lora_rank is not None, pretrained=True)
+    words = []
+    for name, flag in (("lr", "--lr"), ("weight_decay", "--weight-decay")):
+        value = getattr(config, name)
+        why = f"the pretrained-model default; {flag} to change" if value == defaults[name] else flag
+        words.append(f"{name.replace('_', ' ')} {value:g} ({why})")
+    return ["optim  " + ", ".join(words)]
 
 
 def length_line(run: Run) -> str:
