@@ -6,9 +6,11 @@ written. The tiny built-in GPT from its random start, a reward of its own (the c
 distinct characters: varied rewards from the first window), short completions."""
 
 import os
+import sys
 
 import pytest
 import torch
+import yaml
 
 from gradaccum.cli import main
 from gradaccum.train import grpo, sft
@@ -205,3 +207,32 @@ def test_a_run_as_long_as_the_default_evaluates_every_held_out_prompt():
     assert grpo.eval_sizes(config, 160, 500) == (500, 256)
     assert grpo.eval_sizes(TrainConfig(task="grpo", eval_prompts=0), 100, 500) == (0, 0)
     assert grpo.eval_sizes(TrainConfig(task="grpo", eval_prompts=40), 1, 500) == (40, 40)
+
+
+# ---- issue 38 item 3: a run's config.yaml from another folder --------------------------------
+
+DIGITS = """
+def digits(prompts, completions, **columns):
+    return [float(sum(ch.isdigit() for ch in c)) for c in completions]
+"""
+
+SHORT_GRPO = ["--task", "grpo", "--model", "tiny", "--max-steps", "1", "--seq-len", "64",
+              "--prompts-per-step", "2", "--num-generations", "4", "--max-completion-length",
+              "8", "--micro-batch", "4", "--eval-prompts", "0"]  # fmt: skip
+
+
+def test_a_reward_module_of_the_working_directory_is_found_from_config_yaml_anywhere(
+    tmp_path, monkeypatch
+):
+    here, elsewhere = tmp_path / "here", tmp_path / "elsewhere"
+    here.mkdir(), elsewhere.mkdir()
+    (here / "rw_digits.py").write_text(DIGITS)
+    monkeypatch.chdir(here)
+    assert main(["train", *SHORT_GRPO, "--reward", "rw_digits:digits", "--out", "run"]) == 0
+    settings = yaml.safe_load((here / "run" / "config.yaml").read_text())
+    assert settings["rl"]["reward"] == f"{here}/rw_digits.py:digits"  # the file, absolute
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.delitem(sys.modules, "rw_digits", raising=False)
+    again = ["train", "--config", str(here / "run" / "config.yaml"), "--out", "again"]
+    assert main(again) == 0
+    assert read_metrics(str(elsewhere / "again" / "metrics.jsonl"))  # it trained

@@ -52,7 +52,9 @@ class RLSettings:
     per completion (prompts and completions as text, without the end of text; the columns
     completion, each example's reference answer, and stopped, whether the completion ended
     with the end of text), imported from the working directory or the Python path (or
-    path/to/file.py:function); their weighted sum is the reward."""
+    path/to/file.py:function); their weighted sum is the reward. The run's config.yaml
+    records a module of the working directory by its file's absolute path, found from
+    anywhere."""
     reward_weights: str | None = setting(None, "str", metavar="W,...", default_text="1 each")
     """Weights of the --reward functions, one per function."""
     eval_prompts: int | None = setting(None, least=0, metavar="N",

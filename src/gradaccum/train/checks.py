@@ -20,6 +20,7 @@ except ImportError:  # Python 3.10
     import tomli as tomllib
 
 from gradaccum.data.hf_datasets import folder_problem
+from gradaccum.grpo.rewards import portable
 from gradaccum.models.build import is_hf_folder
 from gradaccum.parallel import devices
 from gradaccum.train.config import FLAGS, TrainConfig
@@ -42,6 +43,8 @@ def prepare(config: TrainConfig) -> TrainConfig:
             if getattr(config, name) is not None and not getattr(config, name).startswith("hf:")
         },
     )
+    # a module of the working directory by its file, which --config finds from anywhere
+    config = replace(config, reward=portable(config.reward))
     if config.resume == RESUME_AUTO:  # from Python; the command line's is settled before
         config = replace(config, resume=bool(checkpoint.step_folders(config.out)))
     check_out_folder(config.out)

@@ -321,7 +321,7 @@ class Run:
             self.console.say(line)
         for line in self.notes:
             self.console.say(f"resume: {line}")
-        self.outputs.open(self.acc.steps)
+        self.outputs.open(self.acc.steps, self.batch.micro_batch)
 
     def write_record(self, record: dict) -> None:
         """One metrics record into metrics.jsonl (and TensorBoard), `Outputs.write`."""

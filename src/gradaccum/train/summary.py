@@ -57,6 +57,8 @@ def opening_lines(run: Run) -> list[str]:
     lines[1:1] = [length_line(run)]  # after the table: the run's steps in epochs
     lines[3:3] = adapters.opening_lines(model_info)  # LoRA: targets, trainable parameters
     lines[3:3] = pretrained_lines(config, model_info)
+    if config.micro_batch == "auto" and not resumed:  # a resume keeps the one it trained with
+        lines.append(auto_micro_batch_line(run.batch.micro_batch))
     if run.sharded:  # --sync micro or hsdp
         lines.append(sync_line(config.sync, run.rank_info.world_size))
     if device.type == "cpu" and config.precision != "fp32":
@@ -65,6 +67,15 @@ def opening_lines(run: Run) -> list[str]:
             "(few CPUs have fast low-precision matmuls); fp32 is the faster choice here"
         )
     return lines
+
+
+def auto_micro_batch_line(micro_batch: int) -> str:
+    """`--micro-batch auto` settled: the size, and that a run given auto again (from this
+    run's config.yaml, which keeps auto) settles it again, maybe elsewhere at another size."""
+    return (
+        f"micro  --micro-batch auto settled at {micro_batch}; a run given auto (as from a "
+        f"config.yaml that says auto) measures it again: --micro-batch {micro_batch} pins it"
+    )
 
 
 def pretrained_lines(config, model_info) -> list[str]:

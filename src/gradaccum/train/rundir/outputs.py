@@ -68,9 +68,10 @@ class Outputs:
 
     # ---- open, close -------------------------------------------------------------------
 
-    def open(self, step: int) -> None:
+    def open(self, step: int, micro_batch: int | None = None) -> None:
         """Take the folder's lock, write config.yaml, open metrics.jsonl and TensorBoard's
-        file, before training from optimizer step `step`. No room on the disk for any of it:
+        file, before training from optimizer step `step` (`micro_batch`: what an `auto`
+        settled at, noted beside it in config.yaml). No room on the disk for any of it:
         RunFailed in one line, and a new run's start leaves nothing."""
         self.last_saved = step
         new = self.resumed_at is None
@@ -79,7 +80,7 @@ class Outputs:
         try:
             self._take_lock()
             if self.is_main:
-                self._open_files(step)
+                self._open_files(step, micro_batch)
         except DiskFull as err:
             self.lock.release()
             if undo is not None:
@@ -101,13 +102,16 @@ class Outputs:
         if collectives.max_over_ranks(int(failed is not None)):
             raise failed or BadInput("--out", self.config.out, "in use by a running run")
 
-    def _open_files(self, step: int) -> None:
+    def _open_files(self, step: int, micro_batch: int | None) -> None:
         """config.yaml, metrics.jsonl and the trackers (`Trackers.start`)."""
         config = self.config
         header = "gradaccum train settings as chosen; gradaccum train --config this-file"
-        write_text_atomic(
-            os.path.join(config.out, SETTINGS_FILE), to_yaml(config.sections(), header)
-        )
+        comments = {}
+        if config.micro_batch == "auto" and micro_batch is not None:
+            # auto stays auto (the file is what was chosen), so a run from it settles it anew
+            comments["micro_batch"] = micro_batch_note(micro_batch)
+        text = to_yaml(config.sections(), header, comments)
+        write_text_atomic(os.path.join(config.out, SETTINGS_FILE), text)
         path = os.path.join(config.out, "metrics.jsonl")
         self.metrics = MetricsWriter(path, self._metrics_lines)
         if config.trackers:
@@ -353,6 +357,14 @@ class Outputs:
             return f"none is in {root} yet"
         path = os.path.join(root, f"step-{self.saved_step:08d}")
         return f"the one at step {self.saved_step} is still there ({path})"
+
+
+def micro_batch_note(micro_batch: int) -> str:
+    """config.yaml's words beside `micro_batch: auto`: what this run settled it at."""
+    return (
+        f"this run settled it at {micro_batch}; a run from this file measures it again, "
+        f"micro_batch: {micro_batch} pins it"
+    )
 
 
 def _gathered(contents: Callable[[], tuple[dict, dict]]) -> Callable[[], tuple[dict, dict]]:
