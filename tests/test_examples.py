@@ -103,3 +103,52 @@ def test_moe_balance_example_trains_the_windows_lbl():
         assert abs(aux - lbl) <= 1e-5 * lbl  # "global" trains exactly the window's LBL
         assert 1.0 <= load <= 4 / 2  # between balanced and every token on the same 2 of 4
         assert "over 512 tokens" in line  # 4 micro-batches of 4 x 32 positions, all routed
+
+
+# ---- issue 38 item 4: README's "Your own loop" snippets, as written --------------------------
+
+
+def readme_blocks(heading: str) -> list[str]:
+    """The ```python blocks of README.md's section `heading`, as written."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        section = f.read().split(f"## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```python\n(.*?)```", section, re.S)
+
+
+def test_the_readme_own_loop_snippets_run_on_the_models_they_are_for():
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    from tests.reference import make_gpt, ragged_batches
+
+    plain, with_hf = readme_blocks("Your own loop")
+    # the first on the built-in GPT (logits out, labels already the next tokens)
+    model = make_gpt()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    loader = ragged_batches("gpt", 16, seed=0)
+    names = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": loader}
+    exec(plain, names)
+    last = loader[8:]
+    assert names["result"].micro_steps == 8 and not names["result"].skipped
+    assert names["result"].tokens == sum(int((b["labels"] != -100).sum()) for b in last)
+    # the second on a Hugging Face Llama (an output object, labels unshifted)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=2, max_position_embeddings=32)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    g = torch.Generator().manual_seed(1)
+    loader = []
+    for _ in range(16):
+        ids = torch.randint(0, 64, (2, 12), generator=g)
+        real = torch.arange(12)[None, :] < torch.randint(2, 13, (2, 1), generator=g)
+        labels = ids.masked_fill(~real, -100)
+        loader.append({"input_ids": ids, "labels": labels, "attention_mask": real.long()})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    names = {"model": model, "optimizer": optimizer, "loader": loader}
+    exec(with_hf, names)
+    # each row's targets: its labels after the first, not padding (the first is predicted by
+    # no position)
+    want = sum(int((b["labels"][:, 1:] != -100).sum()) for b in loader[8:])
+    assert names["result"].micro_steps == 8 and names["result"].tokens == want

@@ -425,3 +425,32 @@ def test_a_mean_instead_of_a_sum_is_what_verify_names():
     (finding,) = [f for f in report.lint if f.severity == "error"]
     assert finding.module == "loss_fn"
     assert "averaged, not summed" in finding.problem and "loss_fn returned" in finding.problem
+
+
+# ---- issue 38 item 4: an optimizer whose parameter groups have no lr --------------------------
+
+
+class FixedStep(torch.optim.Optimizer):
+    """Gradient descent with a step size of its own, not called lr (as optimizers that set
+    their own step size have it): its parameter groups hold no "lr"."""
+
+    def __init__(self, params, step_size: float):
+        super().__init__(params, {"step_size": step_size})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["step_size"])
+
+
+def test_an_optimizer_without_lr_steps_and_reports_no_lr():
+    model = make_mlp()
+    data = ragged_batches("mlp", 4, seed=3)
+    start = [p.detach().clone() for p in model.parameters()]
+    want = big_batch_grads(model, data)  # on a copy, float64: the window's gradient
+    result = Accumulator(model, FixedStep(model.parameters(), 0.1)).step(data, token_loss)
+    assert result.lr is None and not result.skipped and result.micro_steps == 4
+    moved = [(s - p.detach()) / 0.1 for s, p in zip(start, model.parameters(), strict=True)]
+    assert max_rel_error(moved, want) <= 1e-4  # one step of -0.1 x the big batch's gradient

@@ -2,8 +2,10 @@
 but reasonable command lines. Each refusal is one line with exit code 2; each survival is
 checked against an uninterrupted run."""
 
+import contextlib
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -19,7 +21,7 @@ from gradaccum.train.config import TrainConfig
 from gradaccum.train.loop import train
 from gradaccum.train.rundir import checkpoint, tensorboard
 from gradaccum.train.rundir.metrics import read_metrics
-from gradaccum.utils.errors import DiskFull
+from gradaccum.utils.errors import DiskFull, RunFailed
 
 from .helpers import one_line_error, without_timing
 
@@ -316,3 +318,59 @@ def test_no_room_for_tensorboard_turns_it_off_in_one_line_and_the_run_goes_on(
         .splitlines()[-1]
         .endswith("; tensorboard/ not written (past step 2: No space left on device)")
     )
+
+
+# ---- issue 38 item 1: a checkpoint that cannot be written stops the run ----------------------
+
+
+@contextlib.contextmanager
+def file_limit(limit: int | None):
+    """No file this process writes may grow past `limit` bytes (RLIMIT_FSIZE): a write past
+    it fails with EFBIG at the system call a full disk fails at with ENOSPC (Python ignores
+    SIGXFSZ). None: no limit yet (`set_limit` applies one later). Restored on the way out."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if limit is not None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield lambda n: resource.setrlimit(resource.RLIMIT_FSIZE, (n, hard))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+SAVING = ["--max-steps", "6", "--save-every", "2"]  # no checkpoint of this model fits 256 KiB
+
+
+def test_a_run_whose_first_checkpoint_cannot_be_written_stops_at_its_step(tmp_path, data, capsys):
+    out = tmp_path / "run"
+    with file_limit(256 << 10):
+        code = main(cli(out, data, *SAVING))
+    err = capsys.readouterr().err
+    assert code == 1 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert err.strip() == (
+        f"gradaccum: error: {out}/checkpoints/step-00000002: not written (File too large); "
+        "the run stopped at step 2 rather than train on without a checkpoint, no checkpoint "
+        f"was written yet: free space and start again with --out {out}"
+    )
+    assert [r["step"] for r in records(out) if "loss" in r] == [1, 2]  # not steps 3 to 6
+    assert checkpoint.step_folders(str(out)) == [] and not (out / "model.pt").exists()
+
+
+def test_a_checkpoint_failing_mid_run_stops_it_and_the_previous_one_stays(tmp_path, data):
+    out = tmp_path / "run"
+    config = TrainConfig(
+        data=str(data / "markov.npy"), seq_len=16, micro_batch=2, accum_steps=2, eval_every=0,
+        max_steps=6, save_every=2, out=str(out),
+    )  # fmt: skip
+    with file_limit(None) as set_limit, pytest.raises(RunFailed) as raised:
+        # after step 3, the disk has no room for another checkpoint
+        train(config, should_stop=lambda step: step == 3 and set_limit(256 << 10))
+    root = out / "checkpoints"
+    assert str(raised.value) == (
+        f"{root}/step-00000004: not written (File too large); the run stopped at step 4 "
+        "rather than train on without a checkpoint, the checkpoint at step 2 is still there: "
+        f"free space and continue with: gradaccum train --resume --out {out}"
+    )
+    assert [r["step"] for r in records(out) if "loss" in r] == [1, 2, 3, 4]
+    assert checkpoint.step_folders(str(out)) == [str(root / "step-00000002")]
+    assert checkpoint.damage(str(root / "step-00000002")) is None
+    assert checkpoint.find_latest(str(out)) == str(root / "step-00000002")

@@ -72,7 +72,7 @@ def test_grpo_raises_held_out_exact_match(tmp_path):
     train(TrainConfig(task="grpo", init_from=str(tmp_path / "sft"),
                       data=str(tmp_path / "prompts.jsonl"), out=str(tmp_path / "grpo"),
                       max_steps=6, eval_every=6, eval_fraction=0.02, prompts_per_step=16,
-                      max_completion_length=4, **common))  # fmt: skip
+                      max_completion_length=4, eval_prompts=500, **common))  # fmt: skip
 
     def measured(folder):
         answers = greedy_answers(folder, held)

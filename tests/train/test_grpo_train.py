@@ -6,11 +6,14 @@ written. The tiny built-in GPT from its random start, a reward of its own (the c
 distinct characters: varied rewards from the first window), short completions."""
 
 import os
+import sys
 
 import pytest
 import torch
+import yaml
 
 from gradaccum.cli import main
+from gradaccum.train import grpo, sft
 from gradaccum.train.config import TrainConfig
 from gradaccum.train.loop import train
 from gradaccum.train.rundir.metrics import read_metrics
@@ -188,3 +191,74 @@ def test_a_run_stopped_between_its_sft_stage_and_its_first_grpo_checkpoint_resum
     steps = [r for r in records(out) if "loss" in r]
     assert [r["step"] for r in steps] == [1] and steps[0]["completions"] == 4
     assert (out / "model.pt").exists()
+
+
+# ---- issue 38 item 5: a short run's evaluation is short --------------------------------------
+
+
+def test_a_one_step_run_evaluates_its_share_of_the_held_out_prompts(tmp_path, capsys, monkeypatch):
+    greedy, sampled = [], []
+    real_greedy, real_sampled = sft.exact_match, grpo.evaluate_rewards
+
+    def counting_greedy(model, examples, tokenizer, **kw):
+        found = real_greedy(model, examples, tokenizer, **kw)
+        greedy.append(found.total)  # the held-out prompts answered
+        return found
+
+    def counting_sampled(model, prompts, *args):
+        sampled.append(len(prompts))
+        return real_sampled(model, prompts, *args)
+
+    monkeypatch.setattr(sft, "exact_match", counting_greedy)
+    monkeypatch.setattr(grpo, "evaluate_rewards", counting_sampled)
+    argv = ["train", "--task", "grpo", "--model", "tiny", "--max-steps", "1", "--seq-len", "64",
+            "--prompts-per-step", "2", "--num-generations", "4", "--max-completion-length", "8",
+            "--micro-batch", "4", "--out", str(tmp_path / "run")]  # fmt: skip
+    assert main(argv) == 0
+    # 1 step of the default run's 100: a hundredth of the built-in set's 500 held-out
+    # examples and of the 256 prompts sampled, rounded up; at the start and at the end
+    assert greedy == [5, 5] and sampled == [3, 3]
+    out = capsys.readouterr().out
+    assert (
+        "eval   5 held-out prompts answered greedily, 3 x 4 completions sampled at each "
+        "evaluation (a 1-step run's share of the held-out prompts; --eval-prompts N to change, "
+        "0 for the held-out loss only)\n"
+    ) in out
+
+
+def test_a_run_as_long_as_the_default_evaluates_every_held_out_prompt():
+    # docs/rl.md's figures: 500 greedy answers and 256 prompts x G sampled at each evaluation
+    config = TrainConfig(task="grpo")
+    assert grpo.eval_sizes(config, 100, 500) == (500, 256)
+    assert grpo.eval_sizes(config, 160, 500) == (500, 256)
+    assert grpo.eval_sizes(TrainConfig(task="grpo", eval_prompts=0), 100, 500) == (0, 0)
+    assert grpo.eval_sizes(TrainConfig(task="grpo", eval_prompts=40), 1, 500) == (40, 40)
+
+
+# ---- issue 38 item 3: a run's config.yaml from another folder --------------------------------
+
+DIGITS = """
+def digits(prompts, completions, **columns):
+    return [float(sum(ch.isdigit() for ch in c)) for c in completions]
+"""
+
+SHORT_GRPO = ["--task", "grpo", "--model", "tiny", "--max-steps", "1", "--seq-len", "64",
+              "--prompts-per-step", "2", "--num-generations", "4", "--max-completion-length",
+              "8", "--micro-batch", "4", "--eval-prompts", "0"]  # fmt: skip
+
+
+def test_a_reward_module_of_the_working_directory_is_found_from_config_yaml_anywhere(
+    tmp_path, monkeypatch
+):
+    here, elsewhere = tmp_path / "here", tmp_path / "elsewhere"
+    here.mkdir(), elsewhere.mkdir()
+    (here / "rw_digits.py").write_text(DIGITS)
+    monkeypatch.chdir(here)
+    assert main(["train", *SHORT_GRPO, "--reward", "rw_digits:digits", "--out", "run"]) == 0
+    settings = yaml.safe_load((here / "run" / "config.yaml").read_text())
+    assert settings["rl"]["reward"] == f"{here}/rw_digits.py:digits"  # the file, absolute
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.delitem(sys.modules, "rw_digits", raising=False)
+    again = ["train", "--config", str(here / "run" / "config.yaml"), "--out", "again"]
+    assert main(again) == 0
+    assert read_metrics(str(elsewhere / "again" / "metrics.jsonl"))  # it trained

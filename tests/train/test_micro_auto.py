@@ -6,6 +6,7 @@ import os
 
 import numpy as np
 import pytest
+import yaml
 
 from gradaccum import fit
 from gradaccum.cli import main
@@ -72,3 +73,30 @@ def test_micro_batch_auto_follows_fit_s_rule_for_an_awkward_target(
     assert "chosen: micro-batch 31 " in capsys.readouterr().out
     (line,) = train_lines(tmp_path)
     assert (line["micro_batch"], line["accum_steps"], line["tokens_per_step"]) == (31, 4, 3968)
+
+
+# ---- issue 38 item 3: config.yaml keeps auto and says what it settled at ---------------------
+
+
+def test_config_yaml_notes_the_measured_size_and_a_run_from_it_measures_again(
+    tmp_path, data, capsys
+):
+    run, again = tmp_path / "run", tmp_path / "again"
+    argv = ["train", "--data", data, "--seq-len", "32", "--tokens-per-step", "512"]
+    assert main([*argv, "--max-steps", "1", "--eval-every", "0", "--out", str(run)]) == 0
+    capsys.readouterr()
+    micro = train_lines(run)[0]["micro_batch"]  # what it trained with
+    text = (run / "config.yaml").read_text()
+    assert (
+        f"  micro_batch: auto  # this run settled it at {micro}; a run from this file "
+        f"measures it again, micro_batch: {micro} pins it\n"
+    ) in text
+    assert yaml.safe_load(text)["batch"]["micro_batch"] == "auto"  # what --config reads
+    assert main(["train", "--config", str(run / "config.yaml"), "--out", str(again)]) == 0
+    out = capsys.readouterr().out
+    measured = train_lines(again)[0]["micro_batch"]
+    assert "micro-batch candidates (measured)" in out  # measured again, as it says
+    assert (
+        f"micro  --micro-batch auto settled at {measured}; a run given auto (as from a "
+        f"config.yaml that says auto) measures it again: --micro-batch {measured} pins it\n"
+    ) in out

@@ -19,7 +19,7 @@ from gradaccum.train.config import TrainConfig
 from gradaccum.train.loop import train
 from gradaccum.train.rundir import checkpoint, resume
 from gradaccum.train.rundir.metrics import read_metrics
-from gradaccum.utils.errors import BadInput
+from gradaccum.utils.errors import BadInput, RunFailed
 
 from . import helpers
 from .helpers import without_timing
@@ -291,8 +291,8 @@ def test_keep_checkpoints_keeps_the_newest_n(tmp_path, four_of_six, whole):
 # ---- also here: the disk fills during a checkpoint write --------------------------------------
 
 
-def test_a_full_disk_keeps_the_previous_checkpoint_and_resume_is_exact(
-    tmp_path, data, whole, capsys, monkeypatch
+def test_a_full_disk_stops_the_run_keeping_the_previous_checkpoint_and_resume_is_exact(
+    tmp_path, data, whole, monkeypatch
 ):
     out = tmp_path / "run"
     real = checkpoint._write_synced
@@ -305,11 +305,11 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_resume_is_exact(
         real(path, write)
 
     monkeypatch.setattr(checkpoint, "_write_synced", disk_full_after_step_2)
-    summary = train_until(small(out, data), 5)
-    said = capsys.readouterr().out
-    assert summary["stopped"] and summary["steps"] == 5
-    assert "checkpoint at step 4 not written (No space left on device)" in said
-    assert "the one at step 2 is still there" in said
+    with pytest.raises(RunFailed) as raised:
+        train(small(out, data))
+    said = str(raised.value)
+    assert "step-00000004: not written (No space left on device)" in said
+    assert "the run stopped at step 4" in said and "the checkpoint at step 2 is still there" in said
     monkeypatch.undo()
     assert latest_checkpoint(out).step == 2
     train(small(out, data, resume=True))

@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+import yaml
 
 from gradaccum.models.build import build_model
 from gradaccum.train.config import TrainConfig
@@ -141,3 +142,34 @@ def test_pretraining_from_a_folder_exports_it_too(tmp_path, make_hf_folder):
     trained, _ = build_model(init_from=str(out))
     ids = torch.tensor([list(b"the quick brown fox")])
     assert torch.allclose(_logits(exported, ids), _logits(trained, ids), rtol=0, atol=1e-5)
+
+
+# ---- issue 38 item 2: a pretrained model's lr and weight decay -------------------------------
+
+
+def _settings(out) -> dict:
+    """config.yaml's values, the sections flattened."""
+    with open(out / "config.yaml", encoding="utf-8") as f:
+        return {k: v for section in yaml.safe_load(f).values() for k, v in section.items()}
+
+
+@pytest.mark.parametrize(
+    "kw, lr, weight_decay, words",
+    [
+        # TRL's learning_rate for full fine-tuning; transformers' weight_decay default
+        ({}, 2e-5, 0.0, "lr 2e-05 (the pretrained-model default; --lr to change), weight decay "
+         "0 (the pretrained-model default; --weight-decay to change)"),
+        # LoRA: TRL's PEFT examples' 2e-4; a weight decay given is kept
+        ({"lora_rank": 4, "weight_decay": 0.05}, 2e-4, 0.05, "lr 0.0002 (the pretrained-model "
+         "default; --lr to change), weight decay 0.05 (--weight-decay)"),
+    ],
+)  # fmt: skip
+def test_a_pretrained_folder_trains_at_a_pretrained_models_defaults(
+    tmp_path, make_hf_folder, capsys, kw, lr, weight_decay, words
+):
+    out, summary = _fine_tune(tmp_path, make_hf_folder("llama"), max_steps=1, lr=None, **kw)
+    assert f"optim  {words}\n" in capsys.readouterr().out
+    saved = _settings(out)
+    assert saved["lr"] == lr and saved["weight_decay"] == weight_decay  # what it trained with
+    first = [r for r in read_metrics(os.path.join(out, "metrics.jsonl")) if "loss" in r][0]
+    assert first["lr"] == pytest.approx(lr)  # one step, no warmup: the peak

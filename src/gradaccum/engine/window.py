@@ -56,8 +56,9 @@ class StepResult:
     """L2 norm of the window's gradient before clipping; nan when skipped."""
     skipped: bool
     """True when the optimizer did not step (non-finite loss or gradient, or no tokens)."""
-    lr: float
-    """Learning rate of the first parameter group for this step."""
+    lr: float | None
+    """Learning rate of the first parameter group for this step; None for an optimizer
+    whose parameter groups have no "lr" (one that sets its own step size)."""
     step: int
     """Optimizer steps taken so far, this one included."""
     skipped_total: int
@@ -126,6 +127,13 @@ def backward_scale(
     return undo_average * loss_scale / max(micro_steps * world, 1)
 
 
+def _lr_of(optimizer: torch.optim.Optimizer) -> float | None:
+    """The first parameter group's lr. An optimizer may have none (a torch.optim.Optimizer
+    subclass that sets its own step size): None, not a KeyError."""
+    lr = optimizer.param_groups[0].get("lr")
+    return None if lr is None else float(lr)
+
+
 @dataclass
 class _Measured:
     """A window's figures after its one host sync; gradient figures are unscaled."""
@@ -134,7 +142,7 @@ class _Measured:
     grad_norm: float
     tokens: float
     unscale: float  # what the summed gradient must be multiplied by (late N, loss scale)
-    lr: float
+    lr: float | None
     loss_scale: float | None
     noise_sums: list[float] = field(default_factory=list)  # sum_i n_i |g_i|^2, n, sequences
     aux: float | None = None  # the aux terms summed over the window; None when none given
@@ -481,7 +489,7 @@ class Window:
         # The gradient was summed under self._scale; the window's own is that of N, unscaled.
         unscale = self._scale_for(tokens_f, 1.0) / self._scale if self._scale else 1.0
         loss_scale = acc.scaler.scale if acc.scaler.enabled else None
-        lr = float(acc.optimizer.param_groups[0]["lr"])
+        lr = _lr_of(acc.optimizer)
         measured = _Measured(loss_f, norm_f * unscale, tokens_f, unscale, lr, loss_scale)
         measured.noise_sums = figures[6:]
         measured.aux = aux_f if aux_given else None

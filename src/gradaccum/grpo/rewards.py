@@ -156,6 +156,28 @@ def load_rewards(spec: str | None, weights: str | None) -> list[RewardFn]:
     return [RewardFn(n, _import(n), w) for n, w in zip(names, values, strict=True)]
 
 
+def portable(spec: str | None) -> str | None:
+    """--reward as a run records it (config.yaml, its checkpoints): each module that the
+    working directory holds (`my_rewards:digits`, which only that folder's imports find) as
+    its file's absolute path (`/abs/my_rewards.py:digits`), each FILE.py absolute, so that
+    `--config RUN/config.yaml` loads the same functions from any folder. A module found
+    elsewhere on the path (installed), a package's module (its relative imports need the
+    package) and a built-in name stay as given."""
+    if spec is None:
+        return None
+    return ",".join(_portable(item.strip()) for item in spec.split(","))
+
+
+def _portable(name: str) -> str:
+    where, colon, attr = name.rpartition(":")
+    if not colon or not where:
+        return name  # a built-in name, or a malformed one `load_rewards` refuses
+    if where.endswith(".py"):
+        return f"{os.path.abspath(where)}:{attr}"
+    path = os.path.join(os.getcwd(), f"{where}.py")
+    return f"{path}:{attr}" if "." not in where and os.path.isfile(path) else name
+
+
 def _weights(text: str | None, count: int) -> list[float]:
     if text is None:
         return [1.0] * count

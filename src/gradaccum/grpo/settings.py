@@ -52,6 +52,15 @@ class RLSettings:
     per completion (prompts and completions as text, without the end of text; the columns
     completion, each example's reference answer, and stopped, whether the completion ended
     with the end of text), imported from the working directory or the Python path (or
-    path/to/file.py:function); their weighted sum is the reward."""
+    path/to/file.py:function); their weighted sum is the reward. The run's config.yaml
+    records a module of the working directory by its file's absolute path, found from
+    anywhere."""
     reward_weights: str | None = setting(None, "str", metavar="W,...", default_text="1 each")
     """Weights of the --reward functions, one per function."""
+    eval_prompts: int | None = setting(None, least=0, metavar="N",
+                                       default_text="all for a run as long as the default, "
+                                                    "else the run's share")  # fmt: skip
+    """Held-out prompts each evaluation answers greedily (exact match; the built-in set holds
+    500) and samples --num-generations completions from (at most 256). Not given: all of them
+    for a run of the default run's 100 steps or more, a shorter run its share of them (at least
+    1), so that a short run's evaluation is short; 0: the held-out loss only."""

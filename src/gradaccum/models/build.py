@@ -77,7 +77,7 @@ def _quantized(preset, config_path, init_from, vocab_size, seq_len, dropout, dty
 
     quantized.require_bitsandbytes(quant.bits)
     quantized.silence()
-    if init_from is not None and _is_hf_folder(init_from):
+    if init_from is not None and is_hf_folder(init_from):
         folder = hf_folder.read_folder(init_from, flag="--init-from")
         config = folder.config
         # Computed in fp32, a bf16 folder is loaded in fp32 before it is quantised: else
@@ -102,7 +102,7 @@ def _check_fits_folder(folder: hf_folder.HFFolder, vocab_size, seq_len) -> None:
     check_fits("--init-from", folder.path, config.vocab_size, positions, vocab_size, seq_len)
 
 
-def _is_hf_folder(directory: str) -> bool:
+def is_hf_folder(directory: str) -> bool:
     """Whether --init-from names a Hugging Face folder rather than this project's checkpoint."""
     config = _read_config(directory)
     if config.get("model_type", GPT_MODEL_TYPE) == GPT_MODEL_TYPE:

@@ -89,10 +89,23 @@ def _load(path: str) -> dict:
     return data
 
 
-def to_yaml(sections: dict[str, dict], header: str = "") -> str:
-    """YAML of settings by section (None values left out), with `header` as comment lines."""
+def to_yaml(
+    sections: dict[str, dict], header: str = "", comments: dict[str, str] | None = None
+) -> str:
+    """YAML of settings by section (None values left out), with `header` as comment lines
+    and `comments` (field name -> text) at the end of their fields' lines: words for a reader
+    that do not change what the file sets."""
     body = {k: {n: v for n, v in d.items() if v is not None} for k, d in sections.items()}
     body = {k: d for k, d in body.items() if d}
     lines = [f"# {line}".rstrip() for line in header.splitlines()]
     text = yaml.safe_dump(body, sort_keys=False, default_flow_style=False, allow_unicode=True)
+    text = "".join(_commented(line, comments or {}) for line in text.splitlines(keepends=True))
     return "\n".join([*lines, text]) if lines else text
+
+
+def _commented(line: str, comments: dict[str, str]) -> str:
+    """`line` ("  micro_batch: auto\\n"), its field's comment added where it has one."""
+    name = line.strip().split(":", 1)[0]
+    if line.startswith("  ") and name in comments:
+        return f"{line.rstrip()}  # {comments[name]}\n"
+    return line

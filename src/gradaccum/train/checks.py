@@ -20,6 +20,8 @@ except ImportError:  # Python 3.10
     import tomli as tomllib
 
 from gradaccum.data.hf_datasets import folder_problem
+from gradaccum.grpo.rewards import portable
+from gradaccum.models.build import is_hf_folder
 from gradaccum.parallel import devices
 from gradaccum.train.config import FLAGS, TrainConfig
 from gradaccum.train.rundir import checkpoint, trackers
@@ -41,6 +43,8 @@ def prepare(config: TrainConfig) -> TrainConfig:
             if getattr(config, name) is not None and not getattr(config, name).startswith("hf:")
         },
     )
+    # a module of the working directory by its file, which --config finds from anywhere
+    config = replace(config, reward=portable(config.reward))
     if config.resume == RESUME_AUTO:  # from Python; the command line's is settled before
         config = replace(config, resume=bool(checkpoint.step_folders(config.out)))
     check_out_folder(config.out)
@@ -48,6 +52,9 @@ def prepare(config: TrainConfig) -> TrainConfig:
         check_paths(config)
     elif config.data is not None:
         check_paths(replace(config, model_config=None, init_from=None, model=None))
+    if config.init_from is not None and None in (config.lr, config.weight_decay):
+        # not given (a resume has its checkpoint's): a pretrained model's, or the task's
+        config = config.with_model_defaults(is_hf_folder(config.init_from))
     check_device(config.device)
     check_run_folder(config.out, config.resume)
     trackers.check_installed(config)  # --report-to, --tensorboard

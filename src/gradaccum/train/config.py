@@ -14,7 +14,7 @@ code 2.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 from gradaccum.data.settings import DataSettings
 from gradaccum.engine.settings import PrecisionSettings
@@ -36,10 +36,12 @@ from gradaccum.train.settings import (
     DEFAULT_MIN_TOKENS_PER_STEP,
     DEFAULT_SFT_EPOCHS,
     DEFAULT_TOKENS_PER_STEP,
+    DEFAULT_WEIGHT_DECAY,
     TASK_DEFAULTS,
     BatchSettings,
     OptimizerSettings,
     RunSettings,
+    optimizer_defaults,
 )
 from gradaccum.train.tasks import check_task
 from gradaccum.utils.choices import DEFAULT_MODEL, PACKINGS
@@ -96,11 +98,24 @@ class TrainConfig(*reversed(COMPONENTS)):
             raise BadInput("--packing", self.packing, f"choose one of {', '.join(PACKINGS)}")
         check_task(self)
         given_length = self.max_tokens or self.run_epochs  # a length of its own: no step default
+        later = {"max_steps"} if given_length else set()
+        if self.init_from is not None:  # a pretrained model's or not: `with_model_defaults`
+            later.add("lr")
+        else:
+            self.weight_decay = _default(self.weight_decay, DEFAULT_WEIGHT_DECAY)
         for name, value in TASK_DEFAULTS[self.task].items():
-            if getattr(self, name) is None and not (name == "max_steps" and given_length):
+            if getattr(self, name) is None and name not in later:
                 setattr(self, name, value)
         self.lr_rule = self.lr_rule or "none"
         self._check_together()
+
+    def with_model_defaults(self, pretrained: bool) -> TrainConfig:
+        """The config with --lr and --weight-decay filled where not given, once --init-from's
+        folder is known to hold a `pretrained` Hugging Face model or this project's checkpoint
+        (`optimizer_defaults`): the build step reads the folder, this class reads no file."""
+        defaults = optimizer_defaults(self.task, self.lora_rank is not None, pretrained)
+        filled = {k: _default(getattr(self, k), v) for k, v in defaults.items()}
+        return replace(self, **filled)
 
     @property
     def epochs_defaulted(self) -> bool:
@@ -303,6 +318,10 @@ class TrainConfig(*reversed(COMPONENTS)):
 
 FLAGS = {f.name: flag_of(f) for f in fields(TrainConfig)}
 """Field name -> its Flag, in the order of the fields."""
+
+
+def _default(value, default):
+    return default if value is None else value
 
 
 def merge_settings(lower: dict, upper: dict) -> dict:

@@ -44,6 +44,7 @@ from gradaccum.grpo.sampling import sample
 from gradaccum.grpo.settings import DEFAULT_PROMPTS_PER_STEP
 from gradaccum.parallel import collectives, devices
 from gradaccum.train.config import TrainConfig
+from gradaccum.train.settings import TASK_DEFAULTS
 from gradaccum.utils.errors import BadInput
 
 
@@ -371,10 +372,41 @@ def reward_words(fields: dict, rewards: list[RewardFn], key: str = "reward") -> 
     return f"{fields[key]:.3f} ({each})"
 
 
-def eval_prompts(examples: list[Example], tokenizer, seq_len: int) -> list[Prompt]:
-    """The held-out prompts each evaluation samples from: the first EVAL_PROMPTS of the eval
-    set's examples."""
-    return prompts_of(examples, tokenizer, seq_len)[:EVAL_PROMPTS]
+def eval_prompts(examples: list[Example], tokenizer, seq_len: int, count: int) -> list[Prompt]:
+    """The held-out prompts each evaluation samples from: the first `count` (at most
+    EVAL_PROMPTS, `eval_sizes`) of the eval set's examples."""
+    return prompts_of(examples, tokenizer, seq_len)[: min(count, EVAL_PROMPTS)]
+
+
+def eval_sizes(config: TrainConfig, total_steps: int, held_out: int) -> tuple[int, int]:
+    """(prompts answered greedily, prompts sampled from) at each evaluation, of the `held_out`
+    examples: --eval-prompts; not given, all of them (at most EVAL_PROMPTS sampled) for a run
+    as long as the default one, whose figures docs/rl.md gives, and for a shorter run its
+    share (at least 1 each): the evaluation, at the start and the end, would otherwise be most
+    of a short run's time."""
+    full = (held_out, min(held_out, EVAL_PROMPTS))
+    if config.eval_prompts is not None:
+        return min(config.eval_prompts, full[0]), min(config.eval_prompts, full[1])
+    share = min(1.0, total_steps / TASK_DEFAULTS["grpo"]["max_steps"])
+    return tuple(min(n, max(1, math.ceil(share * n))) for n in full)
+
+
+def eval_line(config: TrainConfig, sizes: tuple[int, int], total_steps: int) -> str:
+    """The opening line saying how much each evaluation answers and samples, and why."""
+    greedy, sampled = sizes
+    if config.eval_prompts is not None:
+        why = f"--eval-prompts {config.eval_prompts}"
+    elif total_steps < TASK_DEFAULTS["grpo"]["max_steps"]:
+        why = (
+            f"a {total_steps}-step run's share of the held-out prompts; --eval-prompts N to "
+            "change, 0 for the held-out loss only"
+        )
+    else:
+        why = "the full evaluation; --eval-prompts N for fewer, 0 for the held-out loss only"
+    return (
+        f"eval   {greedy} held-out prompts answered greedily, {sampled} x "
+        f"{config.num_generations} completions sampled at each evaluation ({why})"
+    )
 
 
 def loss_fields(totals: dict[str, float], beta: float) -> dict:

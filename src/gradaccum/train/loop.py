@@ -187,7 +187,9 @@ class Run:
         if self.moe is not None:
             raise BadInput("--model", config.preset, "a mixture of experts: not with --task grpo")
         self.prompts = grpo.prompts_of(self.sft.train, self.sft.tokenizer, config.seq_len)
-        self.eval_prompts = grpo.eval_prompts(self.sft.val, self.sft.tokenizer, config.seq_len)
+        self.eval_sizes = grpo.eval_sizes(config, self.batch.total, len(self.sft.val))
+        self.eval_prompts = grpo.eval_prompts(self.sft.val, self.sft.tokenizer, config.seq_len,
+                                              self.eval_sizes[1])  # fmt: skip
         grpo.check(config, self.prompts)
         self.rewards = grpo.rewards_of(config, self.prompts)  # before any generation
         return rl.PolicyLoss(config.loss_type, config.epsilon, config.epsilon_high, config.beta,
@@ -308,6 +310,7 @@ class Run:
         lines = summary.opening_lines(self)
         if self.policy is not None:
             lines += self.sft.summary_lines()
+            lines.append(grpo.eval_line(self.config, self.eval_sizes, self.batch.total))
         elif self.sft is not None:
             lines += self.sft.summary_lines()
             lines += sft.plan_lines(self.config, self.sft, self.batch.micro_batch)
@@ -318,7 +321,7 @@ class Run:
             self.console.say(line)
         for line in self.notes:
             self.console.say(f"resume: {line}")
-        self.outputs.open(self.acc.steps)
+        self.outputs.open(self.acc.steps, self.batch.micro_batch)
 
     def write_record(self, record: dict) -> None:
         """One metrics record into metrics.jsonl (and TensorBoard), `Outputs.write`."""
@@ -529,7 +532,8 @@ class Run:
         if not len(self.data.val):
             return
         if self.sft is not None:
-            fields, lines = sft.evaluate(model, self.sft, micro, self.device, precision)
+            answers = self.eval_sizes[0] if self.policy is not None else None
+            fields, lines = sft.evaluate(model, self.sft, micro, self.device, precision, answers)
             if self.policy is not None:  # --task grpo: the reward of held-out samples too
                 sampled, words = grpo.evaluate_rewards(model, self.eval_prompts, self.sft.tokenizer,
                                                        self.rewards, self.config)  # fmt: skip

@@ -43,7 +43,27 @@ TASK_DEFAULTS = {
 }
 """`gradaccum train`'s defaults that depend on --task, for the fields left None when not
 given. The SFT ones make the default `gradaccum train --task sft` (the built-in byte-level
-tiny GPT on the built-in instruction set) learn the tasks in about 3 minutes on 2 CPU cores."""
+tiny GPT on the built-in instruction set) learn the tasks in about 3 minutes on 2 CPU cores.
+Their lr is for a model trained from scratch: a pretrained one takes PRETRAINED_LR."""
+
+DEFAULT_WEIGHT_DECAY = 0.1
+"""--weight-decay when not given, for a model trained from scratch (nanoGPT's, GPT-3's)."""
+PRETRAINED_LR = {"full": 2e-5, "lora": 2e-4}
+"""--lr when not given for a pretrained Hugging Face model (--init-from): TRL's for full
+fine-tuning (SFTConfig's learning_rate) and with LoRA or QLoRA (its PEFT examples). The task
+defaults (2e-3 and up) are for the tiny built-in GPT and would wreck a pretrained model."""
+PRETRAINED_WEIGHT_DECAY = 0.0
+"""--weight-decay when not given for a pretrained Hugging Face model: transformers'
+TrainingArguments default (and so TRL's)."""
+
+
+def optimizer_defaults(task: str, lora: bool, pretrained: bool) -> dict[str, float]:
+    """--lr and --weight-decay when not given: for a pretrained Hugging Face model
+    (`pretrained`, full or `lora` fine-tuning) or, otherwise, --task's (`TASK_DEFAULTS`)."""
+    if pretrained:
+        lr = PRETRAINED_LR["lora" if lora else "full"]
+        return {"lr": lr, "weight_decay": PRETRAINED_WEIGHT_DECAY}
+    return {"lr": TASK_DEFAULTS[task]["lr"], "weight_decay": DEFAULT_WEIGHT_DECAY}
 
 
 @dataclass
@@ -132,12 +152,16 @@ class OptimizerSettings:
     """optimizer and LR schedule (AdamW)"""
 
     lr: float | None = setting(None, "float", above=True)
-    """Peak learning rate."""
+    """Peak learning rate. Not given, for a Hugging Face model from --init-from: 2e-5, with
+    --lora-rank 2e-4 (a pretrained model's, as TRL's; the task defaults are for training
+    from scratch)."""
     warmup_steps: int | None = setting(None, default_text="a tenth of the run, at most 100")
     """Linear warmup, in optimizer steps."""
     schedule: str = setting("cosine", "choice", choices=SCHEDULES)
     """LR decay after warmup, counted in optimizer steps: cosine, linear or constant."""
-    weight_decay: float = setting(0.1, "float")
+    weight_decay: float | None = setting(None, "float",
+                                         default_text=f"{DEFAULT_WEIGHT_DECAY}; 0.0 for a "
+                                         "Hugging Face --init-from")  # fmt: skip
     """AdamW weight decay, on matrices and embeddings only (not on biases or norms)."""
     max_grad_norm: float = setting(1.0, "float")
     """Clip the window's gradient to this L2 norm; 0 turns clipping off."""

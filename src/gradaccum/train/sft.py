@@ -553,16 +553,23 @@ def _over_budget_lines(config: TrainConfig, ahead: SFTBatches, first: int, what:
 
 
 def evaluate(
-    model: torch.nn.Module, parts: SFTParts, micro_batch: int, device, precision: str
+    model: torch.nn.Module,
+    parts: SFTParts,
+    micro_batch: int,
+    device,
+    precision: str,
+    answers: int | None = None,
 ) -> tuple[dict, list[str]]:
     """The held-out loss over the target tokens (nats per token) and, on the built-in set,
-    exact match by greedy generation: the metrics record's fields and the lines to print."""
+    exact match by greedy generation over the first `answers` held-out examples (None: all;
+    0: none): the metrics record's fields and the lines to print."""
     with devices.autocast(device, autocast_dtype(precision)):
         loss = heldout_loss(model, parts.val, parts.tokenizer.pad_id, micro_batch=micro_batch)
         fields = {"eval_loss": loss.loss, "eval_tokens": loss.tokens}
-        if not parts.builtin:
+        if not parts.builtin or answers == 0:
             return fields, [f"eval loss {loss.loss:.4f}"]
-        em = exact_match(model, parts.val, parts.tokenizer, check=check, samples=SAMPLES)
+        em = exact_match(model, parts.val, parts.tokenizer, check=check, max_examples=answers,
+                         samples=SAMPLES)  # fmt: skip
     fields["exact_match"] = em.rate
     lines = [f"eval loss {loss.loss:.4f}, exact match {em.correct}/{em.total} ({em.rate:.3f})"]
     for s in em.samples:

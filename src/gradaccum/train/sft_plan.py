@@ -27,7 +27,7 @@ from gradaccum.plan.sizes import fmt_count, fmt_int
 from gradaccum.plan.table import flops_text, memory_rows, render_rows
 from gradaccum.train import sft
 from gradaccum.train.config import TrainConfig
-from gradaccum.train.settings import TASK_DEFAULTS
+from gradaccum.train.settings import optimizer_defaults
 
 SAMPLE = 64
 """Windows at the start of the run the plan cuts as the run will (at least the first 20
@@ -195,7 +195,10 @@ def rows(plan: SFTPlan, config: TrainConfig, resolved_plan) -> list[tuple]:
             else (f"--micro-batch {plan.micro_batch} x --seq-len {config.seq_len}")
         )
         micro_how = source
-    lr_source = "--lr" if config.lr != TASK_DEFAULTS["sft"]["lr"] else "--lr (task default)"
+    pretrained = config.init_from is not None and not sft.builtin_gpt(config)
+    default = optimizer_defaults("sft", config.lora_rank is not None, pretrained)["lr"]
+    which = "the pretrained-model default" if pretrained else "task default"
+    lr_source = "--lr" if config.lr != default else f"--lr ({which})"
     out = [
         model_row,
         ("ranks", str(plan.world_size), "data-parallel ranks", ""),

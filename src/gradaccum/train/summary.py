@@ -14,6 +14,7 @@ from gradaccum.train.epochs import pretrain_length_line
 from gradaccum.train.rundir.best import BEST_FOLDER
 from gradaccum.train.rundir.metrics import plot_loss
 from gradaccum.train.rundir.outputs import Outputs
+from gradaccum.train.settings import optimizer_defaults
 from gradaccum.utils.errors import DiskFull
 
 if TYPE_CHECKING:
@@ -55,6 +56,9 @@ def opening_lines(run: Run) -> list[str]:
     ]
     lines[1:1] = [length_line(run)]  # after the table: the run's steps in epochs
     lines[3:3] = adapters.opening_lines(model_info)  # LoRA: targets, trainable parameters
+    lines[3:3] = pretrained_lines(config, model_info)
+    if config.micro_batch == "auto" and not resumed:  # a resume keeps the one it trained with
+        lines.append(auto_micro_batch_line(run.batch.micro_batch))
     if run.sharded:  # --sync micro or hsdp
         lines.append(sync_line(config.sync, run.rank_info.world_size))
     if device.type == "cpu" and config.precision != "fp32":
@@ -63,6 +67,30 @@ def opening_lines(run: Run) -> list[str]:
             "(few CPUs have fast low-precision matmuls); fp32 is the faster choice here"
         )
     return lines
+
+
+def auto_micro_batch_line(micro_batch: int) -> str:
+    """`--micro-batch auto` settled: the size, and that a run given auto again (from this
+    run's config.yaml, which keeps auto) settles it again, maybe elsewhere at another size."""
+    return (
+        f"micro  --micro-batch auto settled at {micro_batch}; a run given auto (as from a "
+        f"config.yaml that says auto) measures it again: --micro-batch {micro_batch} pins it"
+    )
+
+
+def pretrained_lines(config, model_info) -> list[str]:
+    """A Hugging Face model from --init-from: its lr and weight decay and where they come
+    from, since a pretrained model's defaults are not the built-in GPT's
+    (`train.settings.optimizer_defaults`)."""
+    if config.init_from is None or model_info.kind != "hf":
+        return []
+    defaults = optimizer_defaults(config.task, config.lora_rank is not None, pretrained=True)
+    words = []
+    for name, flag in (("lr", "--lr"), ("weight_decay", "--weight-decay")):
+        value = getattr(config, name)
+        why = f"the pretrained-model default; {flag} to change" if value == defaults[name] else flag
+        words.append(f"{name.replace('_', ' ')} {value:g} ({why})")
+    return ["optim  " + ", ".join(words)]
 
 
 def length_line(run: Run) -> str:
@@ -88,10 +116,6 @@ def stopped_line(stopped: str, step: int, total: int, outputs: Outputs) -> str:
             f"{head}; checkpoint saved, continue with: gradaccum train --resume "
             f"--out {outputs.config.out}"
         )
-    failed = outputs.failed_save
-    if failed is not None and failed[0] == step:
-        kept = outputs.kept("free space and ")
-        return f"{head}; its checkpoint was not written ({failed[1]}), {kept}"
     return f"{head}, before its first window: nothing to save; {outputs.kept()}"
 
 

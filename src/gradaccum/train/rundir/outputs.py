@@ -5,8 +5,11 @@ The folder's lock, config.yaml, metrics.jsonl and the trackers (--report-to, --t
 between windows. No room on the disk is one line every time: at the start a new run leaves
 nothing behind and a resume leaves the folder as it was (RunFailed); for metrics.jsonl the
 run stops (it would not resume exactly without it) naming the checkpoint still there; a
-tracker that fails (TensorBoard's file meeting a full disk) is turned off and the run goes on; for a checkpoint the previous one stays
-and the run goes on.
+tracker that fails (TensorBoard's file meeting a full disk) is turned off and the run goes on; a
+checkpoint that cannot be written stops the run at once (RunFailed naming its folder, the
+system's reason and the checkpoint still there): the windows after it could not be kept either.
+The best checkpoint of --save-best that fails is said and the run goes on: the next regular
+checkpoint decides.
 """
 
 from __future__ import annotations
@@ -14,8 +17,6 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import replace
-
-import torch.distributed as dist
 
 from gradaccum.models.export import export_hf_model
 from gradaccum.parallel import collectives
@@ -57,7 +58,6 @@ class Outputs:
         """The step of the newest checkpoint on disk (None before the first)."""
         self.last_saved: int | None = None
         """The step of the last save (written or failed): one step is saved once."""
-        self.failed_save: tuple[int, str] | None = None  # the last save that failed, and why
         self.best = Best()  # --save-best's checkpoint, known to rank 0 (which evaluates)
         self.not_written: dict[str, str] = {}  # file -> why, for the closing line
 
@@ -68,9 +68,10 @@ class Outputs:
 
     # ---- open, close -------------------------------------------------------------------
 
-    def open(self, step: int) -> None:
+    def open(self, step: int, micro_batch: int | None = None) -> None:
         """Take the folder's lock, write config.yaml, open metrics.jsonl and TensorBoard's
-        file, before training from optimizer step `step`. No room on the disk for any of it:
+        file, before training from optimizer step `step` (`micro_batch`: what an `auto`
+        settled at, noted beside it in config.yaml). No room on the disk for any of it:
         RunFailed in one line, and a new run's start leaves nothing."""
         self.last_saved = step
         new = self.resumed_at is None
@@ -79,7 +80,7 @@ class Outputs:
         try:
             self._take_lock()
             if self.is_main:
-                self._open_files(step)
+                self._open_files(step, micro_batch)
         except DiskFull as err:
             self.lock.release()
             if undo is not None:
@@ -101,13 +102,16 @@ class Outputs:
         if collectives.max_over_ranks(int(failed is not None)):
             raise failed or BadInput("--out", self.config.out, "in use by a running run")
 
-    def _open_files(self, step: int) -> None:
+    def _open_files(self, step: int, micro_batch: int | None) -> None:
         """config.yaml, metrics.jsonl and the trackers (`Trackers.start`)."""
         config = self.config
         header = "gradaccum train settings as chosen; gradaccum train --config this-file"
-        write_text_atomic(
-            os.path.join(config.out, SETTINGS_FILE), to_yaml(config.sections(), header)
-        )
+        comments = {}
+        if config.micro_batch == "auto" and micro_batch is not None:
+            # auto stays auto (the file is what was chosen), so a run from it settles it anew
+            comments["micro_batch"] = micro_batch_note(micro_batch)
+        text = to_yaml(config.sections(), header, comments)
+        write_text_atomic(os.path.join(config.out, SETTINGS_FILE), text)
         path = os.path.join(config.out, "metrics.jsonl")
         self.metrics = MetricsWriter(path, self._metrics_lines)
         if config.trackers:
@@ -168,21 +172,35 @@ class Outputs:
         note: Callable[[str], None],
     ) -> None:
         """A checkpoint at `step` of (model state_dict, trainer state) = `contents()`,
-        unless one of it exists. A failed write (a full disk) leaves the previous checkpoint
-        and is said in one line through `note`; training goes on. A second Ctrl-C during the
-        write leaves the previous one too, nothing half-written, and says so in the
-        KeyboardInterrupt's text."""
+        unless one of it exists. A failed write (a full disk, a folder that cannot be written)
+        leaves the previous checkpoint and stops the run on every rank (RunFailed, one line):
+        training on would spend compute that no checkpoint or export could keep. A second
+        Ctrl-C during the write leaves the previous one too, nothing half-written, and says so
+        in the KeyboardInterrupt's text."""
         if step == self.last_saved:
             return
         if self.config.shards_model:  # every rank joins the gather of the sharded state
             contents = _gathered(contents)
-        if not self.is_main:
-            self.saved_step = step  # rank 0 writes it; the others cannot tell
-        elif step != self.saved_step:  # not already written as a new best (`save_best`)
-            self._write(step, contents, model_config, note)
-        if self.rank_info.world_size > 1:
-            dist.barrier()
-        self.last_saved = step
+        failed = None
+        if self.is_main and step != self.saved_step:  # not already written as a new best
+            failed = self._write(step, contents, model_config)
+        # Rank 0 writes; every rank learns whether it could, so all stop together or none.
+        if collectives.max_over_ranks(int(failed is not None)):
+            raise RunFailed(self._save_failed(step, failed))
+        self.saved_step = self.last_saved = step
+
+    def _save_failed(self, step: int, failed: OSError | DiskFull | None) -> str:
+        """The line of a run stopped by checkpoint `step` not written (`failed`: rank 0's
+        error; None on the other ranks, which only know that it failed)."""
+        folder = os.path.join(self.config.out, checkpoint.CHECKPOINTS, f"step-{step:08d}")
+        if failed is None:
+            return f"{folder}: not written on rank 0; the run stopped at step {step}"
+        room = isinstance(failed, DiskFull)  # `atomic.writing` made every no-room error one
+        fix = "free space and " if room else f"make {os.path.dirname(folder)} writable and "
+        return (
+            f"{folder}: not written ({_reason(failed)}); the run stopped at step {step} rather "
+            f"than train on without a checkpoint, {self.kept(fix)}"
+        )
 
     def save_best(
         self,
@@ -202,14 +220,16 @@ class Outputs:
             if not self.is_main:
                 return True
         previous, self.best = self.best, best
-        if not self._write(best.step, contents, model_config, note):
+        failed = self._write(best.step, contents, model_config)
+        if failed is not None:
             self.best = previous
+            note(f"checkpoint at step {best.step} not written ({_reason(failed)}); {self._older()}")
             return False
         return True
 
-    def _write(self, step: int, contents, model_config: dict, note) -> bool:
+    def _write(self, step: int, contents, model_config: dict) -> OSError | DiskFull | None:
         """Rank 0's write of checkpoint `step`, pruning all but the newest --keep-checkpoints
-        and the best; whether it was written (a failure is said through `note`)."""
+        and the best; the error that stopped it (a full disk is DiskFull), None once written."""
         try:
             model_state, trainer_state = contents()
             model_state = adapters.checkpoint_state(model_state, model_config)  # LoRA
@@ -226,12 +246,9 @@ class Outputs:
         except KeyboardInterrupt:
             raise self._interrupted_save(step) from None
         except (OSError, DiskFull) as err:
-            why = err.reason if isinstance(err, DiskFull) else err.strerror or first_line(err)
-            self.failed_save = (step, why)
-            note(f"checkpoint at step {step} not written ({why}); {self._older()}")
-            return False
+            return err
         self.saved_step = step
-        return True
+        return None
 
     def _interrupted_save(self, step: int) -> KeyboardInterrupt:
         """A Ctrl-C during the save of `step`: made current before it landed (pruning the
@@ -342,11 +359,24 @@ class Outputs:
         return f"the one at step {self.saved_step} is still there ({path})"
 
 
+def micro_batch_note(micro_batch: int) -> str:
+    """config.yaml's words beside `micro_batch: auto`: what this run settled it at."""
+    return (
+        f"this run settled it at {micro_batch}; a run from this file measures it again, "
+        f"micro_batch: {micro_batch} pins it"
+    )
+
+
 def _gathered(contents: Callable[[], tuple[dict, dict]]) -> Callable[[], tuple[dict, dict]]:
     """`contents` called now (a sharded model's: a collective every rank joins), returned
     as a callable for rank 0's write."""
     made = contents()
     return lambda: made
+
+
+def _reason(err: OSError | DiskFull) -> str:
+    """The system's words for a failed write: DiskFull's reason, an OSError's strerror."""
+    return err.reason if isinstance(err, DiskFull) else err.strerror or first_line(err)
 
 
 def _to(into: str) -> str:
