@@ -19,6 +19,9 @@ from . import avx512bf16, network
 
 avx512bf16.install()  # bitsandbytes' AVX512-BF16 path on every CPU (tests/avx512bf16.py)
 network.refuse()  # no connection off this machine from the suite's process (tests/network.py)
+# ... nor from a process it starts: Python runs tests/site/sitecustomize.py at its start.
+SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "site")
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (SITE, os.environ.get("PYTHONPATH")) if p)
 
 SPECIAL_TOKENS = [
     "<unk>",

@@ -243,18 +243,23 @@ def test_a_tensor_of_the_wrong_shape(make_hf_folder):
     assert one_line(err).startswith(f"--init-from {folder}: weights do not match config.json")
 
 
-def test_an_encoder_folder_is_refused_naming_its_architecture(tmp_path):
+def _bert_folder(tmp_path, vocab_size: int, layers: int) -> str:
     folder = str(tmp_path / "bert")
     torch.manual_seed(0)
     config = transformers.BertConfig(
-        vocab_size=300,
+        vocab_size=vocab_size,
         hidden_size=32,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=2,
         intermediate_size=64,
         max_position_embeddings=64,
     )
     transformers.BertForMaskedLM(config).save_pretrained(folder)
+    return folder
+
+
+def test_an_encoder_folder_is_refused_naming_its_architecture(tmp_path):
+    folder = _bert_folder(tmp_path, vocab_size=300, layers=2)
     with pytest.raises(BadInput) as err:
         build_model(init_from=folder)
     assert one_line(err).startswith(
@@ -265,16 +270,7 @@ def test_an_encoder_folder_is_refused_naming_its_architecture(tmp_path):
 def test_an_encoder_with_a_vocabulary_too_small_is_refused_for_its_architecture(tmp_path):
     # The data's 512 ids do not fit BERT's 100 either; the architecture is what no vocabulary
     # would fix, so it is named first.
-    folder = str(tmp_path / "bert")
-    config = transformers.BertConfig(
-        vocab_size=100,
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-    )
-    transformers.BertForMaskedLM(config).save_pretrained(folder)
+    folder = _bert_folder(tmp_path, vocab_size=100, layers=1)
     with pytest.raises(BadInput) as err:
         build_model(init_from=folder, vocab_size=512, seq_len=32)
     assert one_line(err).startswith(f"--init-from {folder}: model_type bert builds ")

@@ -55,3 +55,19 @@ def test_a_qlora_run_with_evaluations_reaches_no_network(tmp_path):
     assert done.returncode == 0, said[-3000:]
     assert "network attempts: []" in done.stderr, done.stderr[-2000:]
     assert not [w for w in HUB_WORDS if w in said], said[-3000:]
+
+
+def test_a_process_the_suite_starts_is_refused_the_network_too():
+    """tests/site/sitecustomize.py, on the PYTHONPATH conftest.py hands down, refuses a child
+    process's connections off the machine and its look-ups of other names."""
+    code = (
+        "import socket\n"
+        "for reach in (lambda: socket.create_connection(('192.0.2.1', 80), timeout=5),\n"
+        "              lambda: socket.getaddrinfo('example.com', 443)):\n"
+        "    try:\n"
+        "        reach()\n"
+        "    except OSError as err:\n"
+        "        print('refused' if 'refused in the test suite' in str(err) else err)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == ["refused", "refused"], done.stdout + done.stderr
