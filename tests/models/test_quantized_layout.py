@@ -102,3 +102,35 @@ def test_a_folder_loaded_in_4_bits_is_kept_in_its_training_layout(make_hf_folder
         model.eval()(torch.tensor([[5, 17, 42, 9]]))
     for layer, before in zip(layers, stored, strict=True):
         assert all(torch.equal(a, b) for a, b in zip(_stored(layer), before, strict=True))
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_a_generation_leaves_the_stored_base_as_training_left_it(arch, make_hf_folder):
+    """GRPO samples its completions in eval mode without grad (a KV cache for the built-in GPT,
+    transformers' generate for a folder): the 4-bit base after it is the one before, and the
+    training forward computes what it did."""
+    from gradaccum.grpo.sampling import sample
+    from gradaccum.models.gpt import GPT, GPTConfig
+
+    if arch == "gpt":
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=64, seq_len=32, n_layer=1, n_head=2, n_embd=64))
+        quantized.quantize_linears(model, quantized.QuantSpec(4))
+    else:
+        folder = make_hf_folder("llama")
+        model = hf_folder.load_model(folder, dtype="fp32", quant=quantized.QuantSpec(4))
+    layers = [m for _, m in quantized.quantized_layers(model)]
+    stored = [_stored(m) for m in layers]
+    ids = torch.tensor([[5, 17, 42, 9, 33, 7]])
+
+    def logits() -> torch.Tensor:
+        with torch.no_grad():
+            out = model.train()(ids)
+        return out if isinstance(out, torch.Tensor) else out.logits
+
+    before = logits()
+    sample(model, [[5, 17, 42], [9, 33]], num_generations=2, max_new_tokens=4,
+           temperature=1.0, eos_id=3, seed=0)  # fmt: skip
+    for layer, kept in zip(layers, stored, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(_stored(layer), kept, strict=True))
+    assert torch.equal(logits(), before)
