@@ -126,6 +126,7 @@ def test_table_names_who_divides_by_k(no_peers):
 
 def test_it_says_what_it_will_run_before_the_first_step_then_each_figure(monkeypatch):
     from gradaccum.bench.pretrain import measure
+
     heard = []
     real = measure.big_batch_gradient
 

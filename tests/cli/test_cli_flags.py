@@ -71,7 +71,9 @@ def test_every_flag_of_the_five_commands_is_one_field_added_in_one_place(monkeyp
         command = parser.get_default("command_spec")
         for name, (component, _) in command.fields().items():
             owners.setdefault(name, set()).add(component)
-    assert all(len(o) == 1 for o in owners.values()), {n: o for n, o in owners.items() if len(o) > 1}
+    assert all(len(o) == 1 for o in owners.values()), {
+        n: o for n, o in owners.items() if len(o) > 1
+    }
     shared = [n for n in owners if sum(n in p.get_default("command_spec").fields()
                                        for p in parsers.values()) > 1]  # fmt: skip
     assert {"model", "precision", "seq_len", "json", "device", "micro_batch"} <= set(shared)

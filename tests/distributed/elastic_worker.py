@@ -23,9 +23,9 @@ def arm() -> None:
     first_start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     if rank is None or at is None or not first_start or os.environ.get("RANK") != rank:
         return
-    from gradaccum.train import loop
+    from gradaccum.train.tasks import language
 
-    loss, calls = loop.causal_lm_loss, [0]
+    loss, calls = language.causal_lm_loss, [0]
 
     def killing_loss(model, micro):
         calls[0] += 1
@@ -33,7 +33,7 @@ def arm() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         return loss(model, micro)
 
-    loop.causal_lm_loss = killing_loss
+    language.causal_lm_loss = killing_loss
 
 
 if __name__ == "__main__":

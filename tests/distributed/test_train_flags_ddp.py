@@ -30,9 +30,10 @@ def config(out, data, **kw) -> TrainConfig:
 def _events(info, out, data):
     """Train 2 windows, logging the order of forwards and flag launches and reads."""
     from gradaccum.train import loop, recovery
+    from gradaccum.train.tasks import language
 
     log: list[str] = []
-    real_loss, real_max = loop.causal_lm_loss, collectives.max_over_ranks
+    real_loss, real_max = language.causal_lm_loss, collectives.max_over_ranks
 
     class Logged(collectives.LaunchedMax):
         def __init__(self, value, group=None):
@@ -52,7 +53,7 @@ def _events(info, out, data):
             log.append("blocking")  # the flags' agreement, not the run's other collectives
         return real_max(value, group)
 
-    loop.causal_lm_loss, recovery.collectives.LaunchedMax = forward, Logged
+    language.causal_lm_loss, recovery.collectives.LaunchedMax = forward, Logged
     recovery.collectives.max_over_ranks = blocking
     run_config = loop.prepare(config(out, data, max_steps=2))
     summary = loop.Run.build(run_config, info).train(None)
@@ -77,9 +78,10 @@ def test_each_flag_is_read_one_micro_batch_after_its_forward(tmp_path):
 def _stop_mid_window(info, out, data):
     """Rank 1 gets SIGTERM during the second micro-batch of window 2."""
     from gradaccum.train import loop
+    from gradaccum.train.tasks import language
 
     if info.rank == 1:
-        real, seen = loop.causal_lm_loss, {"calls": 0}
+        real, seen = language.causal_lm_loss, {"calls": 0}
 
         def signalled(model, batch):
             seen["calls"] += model.training
@@ -87,7 +89,7 @@ def _stop_mid_window(info, out, data):
                 os.kill(os.getpid(), signal.SIGTERM)
             return real(model, batch)
 
-        loop.causal_lm_loss = signalled
+        language.causal_lm_loss = signalled
     run_config = loop.prepare(config(out, data, max_steps=6, save_every=1))
     summary = loop.Run.build(run_config, info).train(None)
     return [summary["steps"], summary.get("stopped")]

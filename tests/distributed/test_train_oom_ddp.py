@@ -34,9 +34,10 @@ def config(out, data, **kw) -> TrainConfig:
 
 def _train_with_failure(info, out, data, fail_rank, fail_at, sync="window"):
     from gradaccum.train import loop
+    from gradaccum.train.tasks import language
 
     if info.rank == fail_rank:
-        real, seen = loop.causal_lm_loss, {"calls": 0}
+        real, seen = language.causal_lm_loss, {"calls": 0}
 
         def failing(model, batch):
             seen["calls"] += model.training
@@ -45,7 +46,7 @@ def _train_with_failure(info, out, data, fail_rank, fail_at, sync="window"):
                 raise torch.OutOfMemoryError("CUDA out of memory (injected)")
             return out
 
-        loop.causal_lm_loss = failing
+        language.causal_lm_loss = failing
     run_config = loop.prepare(config(out, data, micro_batch=4, accum_steps=K, sync=sync))
     summary = loop.Run.build(run_config, info).train(None)
     return [summary["steps"], summary["micro_batch"], summary["accum_steps"]]

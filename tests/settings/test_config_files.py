@@ -63,13 +63,17 @@ def test_plan_takes_every_file_kind_and_the_command_line_wins(tmp_path, capsys, 
     settings = as_settings(flags)
     settings["gpus"] = 2  # the command line says 8
     nested = {"target": {"target_tokens": "1M"}, "batch": {"seq_len": 2048, "micro_batch": 4}}
-    flat = {k: v for k, v in settings.items() if k not in ("target_tokens", "seq_len", "micro_batch")}
+    flat = {
+        k: v for k, v in settings.items() if k not in ("target_tokens", "seq_len", "micro_batch")
+    }
     path = tmp_path / f"plan.{kind}"
     text = {
         "yaml": lambda: yaml.safe_dump({**flat, **nested}),
         "json": lambda: json.dumps({**flat, **nested}),
-        "toml": lambda: "\n".join(f'{k} = "{v}"' for k, v in flat.items())
-        + '\n[target]\ntarget-tokens = "1M"\n[batch]\nseq_len = 2048\nmicro_batch = 4\n',
+        "toml": lambda: (
+            "\n".join(f'{k} = "{v}"' for k, v in flat.items())
+            + '\n[target]\ntarget-tokens = "1M"\n[batch]\nseq_len = 2048\nmicro_batch = 4\n'
+        ),
     }[kind]()
     path.write_text(text)
     assert main(["plan", "--config", str(path), "--gpus", "8", "--json"]) == 0
@@ -80,10 +84,32 @@ def test_plan_takes_every_file_kind_and_the_command_line_wins(tmp_path, capsys, 
     "argv",
     [
         ["verify", "--k", "3", "--micro-batch", "2", "--seq-len", "16", "--precision", "bf16"],
-        ["fit", "--seq-len", "64", "--tokens-per-step", "2k", "--batch-tolerance", "10%",
-         "--memory-budget", "1GB", "--lora-rank", "4"],  # fmt: skip
-        ["bench", "--task", "sft", "--micro-batch", "2", "--packing", "none,window",
-         "--peers", "none", "--rounds", "1"],  # fmt: skip
+        [
+            "fit",
+            "--seq-len",
+            "64",
+            "--tokens-per-step",
+            "2k",
+            "--batch-tolerance",
+            "10%",
+            "--memory-budget",
+            "1GB",
+            "--lora-rank",
+            "4",
+        ],  # fmt: skip
+        [
+            "bench",
+            "--task",
+            "sft",
+            "--micro-batch",
+            "2",
+            "--packing",
+            "none,window",
+            "--peers",
+            "none",
+            "--rounds",
+            "1",
+        ],  # fmt: skip
     ],
 )
 def test_every_command_reads_a_file_as_its_flags(tmp_path, argv):

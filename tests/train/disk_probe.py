@@ -116,6 +116,7 @@ def leftovers(folder: str) -> list[str]:
 def checkpoints(out: str) -> dict[str, str | None]:
     """Each checkpoint folder under `out` and what is wrong with it (None: intact)."""
     from gradaccum.train.rundir import checkpoint
+
     return {os.path.basename(p): checkpoint.damage(p) for p in checkpoint.step_folders(out)}
 
 

@@ -15,6 +15,7 @@ def main() -> int:
     seconds = float(sys.argv[1])
     from gradaccum.cli import main as gradaccum
     from gradaccum.train.rundir import checkpoint
+
     write = checkpoint._write_synced
 
     def slow(path: str, fill) -> None:

@@ -16,11 +16,11 @@ import pytest
 
 from gradaccum.cli import main
 from gradaccum.data.corpus import MarkovCorpus
-from gradaccum.train import loop as train_loop
 from gradaccum.train.config import TrainConfig
 from gradaccum.train.loop import train
 from gradaccum.train.rundir import checkpoint, tensorboard
 from gradaccum.train.rundir.metrics import read_metrics
+from gradaccum.train.tasks import language
 from gradaccum.utils.errors import DiskFull, RunFailed
 
 from .helpers import one_line_error, without_timing
@@ -107,7 +107,7 @@ def test_a_stop_mid_window_ends_at_the_next_micro_batch_and_resume_is_exact(
     kw.update(max_steps=2, eval_every=0, save_every=0)
     train(TrainConfig(out=str(tmp_path / "whole"), **kw))
 
-    real, seen = train_loop.causal_lm_loss, {"micro_batches": 0}
+    real, seen = language.causal_lm_loss, {"micro_batches": 0}
 
     def signalling(model, batch):
         seen["micro_batches"] += 1
@@ -115,7 +115,7 @@ def test_a_stop_mid_window_ends_at_the_next_micro_batch_and_resume_is_exact(
             os.kill(os.getpid(), signal.SIGTERM)  # as `kill` from another shell would
         return real(model, batch)
 
-    monkeypatch.setattr(train_loop, "causal_lm_loss", signalling)
+    monkeypatch.setattr(language, "causal_lm_loss", signalling)
     split = tmp_path / "split"
     summary = train(TrainConfig(out=str(split), **kw))
     monkeypatch.undo()
@@ -184,7 +184,7 @@ def test_a_folder_stopped_before_its_first_checkpoint_can_start_over(
     tmp_path, data, capsys, monkeypatch
 ):
     out = tmp_path / "run"
-    real, calls = train_loop.causal_lm_loss, {"n": 0}
+    real, calls = language.causal_lm_loss, {"n": 0}
 
     def second_ctrl_c(model, batch):  # a second Ctrl-C does not wait for the save
         calls["n"] += 1
@@ -192,7 +192,7 @@ def test_a_folder_stopped_before_its_first_checkpoint_can_start_over(
             raise KeyboardInterrupt
         return real(model, batch)
 
-    monkeypatch.setattr(train_loop, "causal_lm_loss", second_ctrl_c)
+    monkeypatch.setattr(language, "causal_lm_loss", second_ctrl_c)
     assert main(cli(out, data, "--max-steps", "4")) == 130
     monkeypatch.undo()
     assert (out / "metrics.jsonl").exists() and checkpoint.find_latest(str(out)) is None

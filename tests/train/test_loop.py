@@ -157,6 +157,7 @@ def test_sigterm_saves_at_a_window_boundary_and_exits_0(tmp_path, markov_npy):
     assert "stopped by SIGTERM" in stdout
     steps = [r["step"] for r in read_metrics(metrics)]
     from gradaccum.train.rundir import checkpoint
+
     saved = checkpoint.load(checkpoint.find_latest(str(out)))
     assert saved.step == steps[-1] >= 3  # saved at the boundary it stopped at
     assert saved.trainer_state["data"]["position"] == 2 * saved.step

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from gradaccum.cli import main
-from gradaccum.train import loop as train_loop
 from gradaccum.train.config import TrainConfig
 from gradaccum.train.loop import train
 from gradaccum.train.rundir import checkpoint
 from gradaccum.train.rundir.metrics import read_metrics
+from gradaccum.train.tasks import language
 
 from .helpers import markov_folder, train_records
 
@@ -42,7 +42,7 @@ def config(out, data, **kw) -> TrainConfig:
 
 def fail_once(monkeypatch, at: int, error=torch.OutOfMemoryError) -> dict:
     """causal_lm_loss raising `error` at its `at`-th training call, once."""
-    real, seen = train_loop.causal_lm_loss, {"calls": 0}
+    real, seen = language.causal_lm_loss, {"calls": 0}
 
     def failing(model, batch):
         seen["calls"] += model.training  # the held-out loss is not counted
@@ -50,7 +50,7 @@ def fail_once(monkeypatch, at: int, error=torch.OutOfMemoryError) -> dict:
             raise error("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
         return real(model, batch)
 
-    monkeypatch.setattr(train_loop, "causal_lm_loss", failing)
+    monkeypatch.setattr(language, "causal_lm_loss", failing)
     return seen
 
 

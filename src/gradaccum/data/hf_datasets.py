@@ -41,11 +41,12 @@ def saved_kind(path: str) -> str | None:
     return None
 
 
-def folder_problem(path: str, task: str) -> str | None:
-    """Why the folder `path` cannot be `--data` of `task` ("pretrain", or "sft" and "grpo",
-    which read rows), in one line; None when it can (a save_to_disk folder of rows)."""
+def folder_problem(path: str, task: str, reads_rows: bool) -> str | None:
+    """Why the folder `path` cannot be `--data` of --task `task` (which `reads_rows`, as sft
+    and grpo do, or text and tokens, as pretrain does), in one line; None when it can (a
+    save_to_disk folder of rows)."""
     kind = saved_kind(path)
-    if task != "pretrain":
+    if reads_rows:
         if kind is not None:
             return None
         return (

@@ -169,7 +169,7 @@ def _load_file(path: str) -> tuple[np.ndarray, int]:
     flag = f"--data {path}"
     ext = os.path.splitext(path)[1].lower()
     if os.path.isdir(path):
-        raise BadInput(folder_problem(path, "pretrain"))
+        raise BadInput(folder_problem(path, "pretrain", reads_rows=False))
     if ext not in (".txt", ".bin", ".npy"):
         raise BadInput(f"{flag}: unknown format; expected {SOURCES['pretrain']}")
     if not os.path.isfile(path):

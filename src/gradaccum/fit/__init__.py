@@ -8,7 +8,6 @@
 - `report`: the table and the lines that explain the choice.
 """
 
-
 from gradaccum.utils.lazy import lazy_exports
 
 # imported on first use: the package's settings module loads without torch

@@ -28,17 +28,15 @@ one that fails in the middle of a run raises `RewardError` (a RunFailed: one lin
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import math
 import numbers
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from gradaccum.data.sft import builtin
 from gradaccum.utils.errors import BadInput, RunFailed, first_line
+from gradaccum.utils.imports import load_module
 
 __all__ = [
     "RewardError",
@@ -199,61 +197,13 @@ def _import(name: str) -> Callable:
     where, colon, attr = name.rpartition(":")
     if not colon or not where or not attr:
         raise BadInput("--reward", name, "must be MODULE:FUNCTION or FILE.py:FUNCTION")
-    module = _load_file(name, where) if where.endswith(".py") else _load_module(name, where)
+    module = load_module("--reward", name, where)
     if not hasattr(module, attr):
         raise BadInput("--reward", name, f"module {where} has no attribute {attr}")
     fn = getattr(module, attr)
     if not callable(fn):
         raise BadInput("--reward", name, f"{attr} is not callable ({type(fn).__name__})")
     return fn
-
-
-def _load_module(name: str, module: str):
-    """Import `module`, the working directory first on the path (as `python -m` puts it);
-    the path is as it was afterwards."""
-    saved = list(sys.path)
-    sys.path.insert(0, os.getcwd())
-    importlib.invalidate_caches()
-    try:
-        return importlib.import_module(module)
-    except ModuleNotFoundError as err:
-        if err.name is not None and (module == err.name or module.startswith(err.name + ".")):
-            raise BadInput("--reward", name, first_line(err)) from None
-        raise BadInput("--reward", name, _raised_on_import(module, err)) from None
-    except Exception as err:  # the module's own code failed
-        raise BadInput("--reward", name, _raised_on_import(module, err)) from None
-    finally:
-        sys.path[:] = saved
-
-
-def _load_file(name: str, path: str):
-    """Run the Python file at `path` as a module named after it (its folder first on the
-    path, as `python path` would, for its own imports)."""
-    if not os.path.isfile(path):
-        raise BadInput("--reward", name, f"no file {path}")
-    module_name = os.path.splitext(os.path.basename(path))[0]
-    file_spec = importlib.util.spec_from_file_location(module_name, path)
-    module = importlib.util.module_from_spec(file_spec)
-    # Registered, as an import would, so that its dataclasses and pickling find it; a name
-    # already taken (a file called json.py) is left to its owner.
-    registered = module_name not in sys.modules
-    if registered:
-        sys.modules[module_name] = module
-    saved = list(sys.path)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
-    try:
-        file_spec.loader.exec_module(module)
-    except Exception as err:
-        if registered:
-            del sys.modules[module_name]
-        raise BadInput("--reward", name, _raised_on_import(path, err)) from None
-    finally:
-        sys.path[:] = saved
-    return module
-
-
-def _raised_on_import(where: str, err: Exception) -> str:
-    return f"importing {where} raised {type(err).__name__}: {first_line(err)}"
 
 
 # -- calling them ----------------------------------------------------------------------------

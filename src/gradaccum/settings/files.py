@@ -67,7 +67,9 @@ def _load(path: str) -> dict:
     except FileNotFoundError:
         raise BadInput("--config", path, "no such file") from None
     except IsADirectoryError:
-        raise BadInput("--config", path, "is a folder, expected a YAML, TOML or JSON file") from None
+        raise BadInput(
+            "--config", path, "is a folder, expected a YAML, TOML or JSON file"
+        ) from None
     except UnicodeDecodeError:
         raise BadInput("--config", path, f"not UTF-8 text, expected a {kind} file") from None
     except OSError as err:

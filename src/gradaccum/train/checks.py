@@ -27,6 +27,7 @@ from gradaccum.train.config import FLAGS, TrainConfig
 from gradaccum.train.rundir import checkpoint, trackers
 from gradaccum.train.rundir.lock import LOCK_FILE, refuse_if_held
 from gradaccum.train.rundir.settings import LEGACY_SETTINGS_FILE, RESUME_AUTO, SETTINGS_FILE
+from gradaccum.train.tasks import rules_of
 from gradaccum.utils.choices import check_builtin_model
 from gradaccum.utils.errors import BadInput
 
@@ -44,7 +45,7 @@ def prepare(config: TrainConfig) -> TrainConfig:
         },
     )
     # a module of the working directory by its file, which --config finds from anywhere
-    config = replace(config, reward=portable(config.reward))
+    config = replace(config, reward=portable(config.reward), task=portable(config.task))
     if config.resume == RESUME_AUTO:  # from Python; the command line's is settled before
         config = replace(config, resume=bool(checkpoint.step_folders(config.out)))
     check_out_folder(config.out)
@@ -102,7 +103,7 @@ def check_out_folder(out: str) -> None:
 
 
 WARM_START = "sft"
-"""The folder of a --task grpo run's SFT stage, in --out (`gradaccum.train.loop.sft_first`)."""
+"""The folder of a --task grpo run's SFT stage, in --out (`gradaccum.train.tasks.grpo`'s `first_stage`)."""
 START_ENTRIES = (".lock",)
 """What a run writes before its config.yaml: a folder holding only these (and .tmp- files,
 atomic writes cut short) is a run whose start was cut short."""
@@ -219,7 +220,7 @@ def check_paths(config) -> None:
     data = config.data
     if data is not None and not data.startswith("hf:"):
         if os.path.isdir(data):
-            problem = folder_problem(data, config.task)
+            problem = folder_problem(data, config.task, rules_of(config.task).reads_rows)
             if problem is not None:
                 raise BadInput(problem)
         elif not os.path.isfile(data):
@@ -240,7 +241,7 @@ def check_device(device: str) -> None:
 
 def holds_sft_stage(out: str) -> bool:
     """Whether --out holds a --task grpo run's SFT stage (`WARM_START`): a run to continue
-    with --resume, also before the GRPO stage's first checkpoint (`sft_first` goes on)."""
+    with --resume, also before the GRPO stage's first checkpoint (`first_stage` goes on)."""
     return os.path.isdir(os.path.join(out, WARM_START))
 
 

@@ -37,13 +37,12 @@ from gradaccum.train.settings import (
     DEFAULT_SFT_EPOCHS,
     DEFAULT_TOKENS_PER_STEP,
     DEFAULT_WEIGHT_DECAY,
-    TASK_DEFAULTS,
     BatchSettings,
     OptimizerSettings,
     RunSettings,
     optimizer_defaults,
 )
-from gradaccum.train.tasks import check_task
+from gradaccum.train.tasks import check_task, rules_of
 from gradaccum.utils.choices import DEFAULT_MODEL, PACKINGS
 from gradaccum.utils.errors import BadInput, flag_name
 
@@ -103,7 +102,7 @@ class TrainConfig(*reversed(COMPONENTS)):
             later.add("lr")
         else:
             self.weight_decay = _default(self.weight_decay, DEFAULT_WEIGHT_DECAY)
-        for name, value in TASK_DEFAULTS[self.task].items():
+        for name, value in rules_of(self.task).defaults.items():
             if getattr(self, name) is None and name not in later:
                 setattr(self, name, value)
         self.lr_rule = self.lr_rule or "none"
@@ -122,7 +121,8 @@ class TrainConfig(*reversed(COMPONENTS)):
         """--task sft on --data with no --epochs, --max-steps or --max-tokens: the run is
         DEFAULT_SFT_EPOCHS passes over the data (one's own data, counted as TRL counts it)."""
         given = (self.max_steps, self.max_tokens, self.epochs)
-        return self.task == "sft" and self.data is not None and all(x is None for x in given)
+        counts = rules_of(self.task).counts_examples
+        return counts and self.data is not None and all(x is None for x in given)
 
     @property
     def run_epochs(self) -> float | None:
@@ -182,8 +182,8 @@ class TrainConfig(*reversed(COMPONENTS)):
         if self.sync not in ("micro", "hsdp"):
             return
         for name, value, why in (
-            ("task", self.task if self.task == "grpo" else None, "each rank generates its own "
-             "completions, which a sharded model cannot; use --sync window"),
+            ("task", self.task if rules_of(self.task).not_sharded else None,
+             rules_of(self.task).not_sharded),
             ("base_bits", self.base_bits, "a base in 4 or 8 bits is not sharded; use --sync "
              "window"),
             ("compile", self.compile or None, "not with a model sharded by FSDP2; use --sync "
@@ -266,7 +266,7 @@ class TrainConfig(*reversed(COMPONENTS)):
         DEFAULT_EXAMPLES_PER_STEP examples (--examples-per-step is left None, so that a value
         the user gives, the default's included, is told from it)."""
         given = (self.examples_per_step, self.tokens_per_step)
-        return self.task == "sft" and all(x is None for x in given)
+        return rules_of(self.task).counts_examples and all(x is None for x in given)
 
     @property
     def target_examples_per_step(self) -> int | None:

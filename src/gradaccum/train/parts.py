@@ -1,6 +1,6 @@
 """What a run trains with: its data, its model placed on the device, and its optimizer.
 
-A new run and a resumed one (`Run.fresh`, `Run.resumed`) take them from here, so both train
+A new run and a resumed one (`build.fresh`, `build.resumed`) take them from here, so both train
 the same way: the model placed with activation checkpointing first, then torch.compile, then
 DDP (so the engine still sees DDP and its no_sync), and the same AdamW groups (a resumed
 optimizer's state loads into them). With --lora-rank the adapters are in the model from the
@@ -24,7 +24,7 @@ from gradaccum.models.optimizer import adamw
 from gradaccum.models.quantized_spec import spec_of
 from gradaccum.parallel import sharding
 from gradaccum.parallel.process_group import RankInfo
-from gradaccum.train import adapters, eval_set, moe, sft
+from gradaccum.train import adapters, eval_set, moe
 from gradaccum.train.config import TrainConfig
 from gradaccum.utils.errors import BadInput, first_line
 
@@ -45,13 +45,11 @@ class Data:
     None: no document mask, the micro-batches as before."""
 
 
-def load_data(config: TrainConfig) -> Data | sft.SFTParts:
-    """--data read and split, or all of it and --eval-data (`eval_set.pretrain_tokens`; with
-    --task sft, `sft.load_data`: examples); BadInput naming --data (or --eval-data) when it
-    cannot be."""
+def load_data(config: TrainConfig) -> Data:
+    """Pretraining's tokens: --data read and split, or all of it and --eval-data
+    (`eval_set.pretrain_tokens`); BadInput naming --data (or --eval-data) when it cannot be.
+    (A fine-tuning run's examples: `sft.load_data`.)"""
     try:
-        if config.task in ("sft", "grpo"):  # grpo: the examples' prompts
-            return sft.load_data(config)
         data = Data(*eval_set.pretrain_tokens(config))  # --eval-data, --eval-fraction
     except BadInput:
         raise

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from gradaccum.plan.batch_schedule import LR_RULES
 from gradaccum.settings.field import setting
 from gradaccum.train.schedule import SCHEDULES
+from gradaccum.train.tasks.registry import BUILTIN, rules_of
 from gradaccum.utils.choices import TASKS
 
 DEFAULT_TOKENS_PER_STEP = 8192
@@ -36,11 +37,7 @@ DEFAULT_SFT_EPOCHS = 3.0
 """--task sft on --data with no --epochs, --max-steps or --max-tokens: passes over the
 training examples (TRL's num_train_epochs). The built-in set runs TASK_DEFAULTS' steps."""
 
-TASK_DEFAULTS = {
-    "pretrain": {"micro_batch": "auto", "lr": 3e-3, "eval_every": 50},
-    "sft": {"micro_batch": 16, "lr": 2e-3, "eval_every": 300, "max_steps": 1200},
-    "grpo": {"micro_batch": 16, "lr": 2e-4, "eval_every": 20, "max_steps": 100},
-}
+TASK_DEFAULTS = {name: rules.defaults for name, (rules, _) in BUILTIN.items()}
 """`gradaccum train`'s defaults that depend on --task, for the fields left None when not
 given. The SFT ones make the default `gradaccum train --task sft` (the built-in byte-level
 tiny GPT on the built-in instruction set) learn the tasks in about 3 minutes on 2 CPU cores.
@@ -63,18 +60,19 @@ def optimizer_defaults(task: str, lora: bool, pretrained: bool) -> dict[str, flo
     if pretrained:
         lr = PRETRAINED_LR["lora" if lora else "full"]
         return {"lr": lr, "weight_decay": PRETRAINED_WEIGHT_DECAY}
-    return {"lr": TASK_DEFAULTS[task]["lr"], "weight_decay": DEFAULT_WEIGHT_DECAY}
+    return {"lr": rules_of(task).defaults["lr"], "weight_decay": DEFAULT_WEIGHT_DECAY}
 
 
 @dataclass
 class RunSettings:
     """run"""
 
-    task: str = setting("pretrain", "choice", choices=TASKS)
+    task: str = setting("pretrain", "str", metavar="{" + ",".join(TASKS) + "}|MODULE:CLASS")
     """pretrain: the next-token loss on every token of a stream of --seq-len chunks. sft:
     supervised fine-tuning on examples (prompt and completion, chat messages, Alpaca rows),
     the loss over the completion tokens only. grpo: RL fine-tuning on the examples' prompts,
-    completions sampled and scored by --reward (docs/rl.md)."""
+    completions sampled and scored by --reward (docs/rl.md). MODULE:CLASS: a task of one's
+    own (docs/tasks.md)."""
     max_steps: int | None = setting(None, least=1)
     """Optimizer steps to train for (or give --max-tokens)."""
     max_tokens: int | None = setting(None, least=1, default_text=f"{DEFAULT_MAX_TOKENS:,}")

@@ -1,18 +1,18 @@
-"""What a run says: the lines it starts with, and how it ends in words: the stop line, the
-critical-batch line, loss.png and its title, and the summary (the --json object)."""
+"""What a run says: the lines it starts with, and how it ends (`finish`): the export, the stop
+line, the critical-batch line, loss.png and its title, and the summary (the --json object)."""
 
 from __future__ import annotations
 
 import math
 import os
+import time
 from typing import TYPE_CHECKING
 
 from gradaccum.parallel import sharding
 from gradaccum.plan.sizes import fmt_count
-from gradaccum.train import adapters, grpo, sft, sft_plan
-from gradaccum.train.epochs import pretrain_length_line
+from gradaccum.train import adapters, moe, parts
 from gradaccum.train.rundir.best import BEST_FOLDER
-from gradaccum.train.rundir.metrics import plot_loss
+from gradaccum.train.rundir.metrics import plot_loss, read_metrics
 from gradaccum.train.rundir.outputs import Outputs
 from gradaccum.train.settings import optimizer_defaults
 from gradaccum.utils.errors import DiskFull
@@ -35,18 +35,13 @@ def sync_line(sync: str, world: int) -> str:
     )
 
 
-def opening_lines(run: Run) -> list[str]:
-    """The plan's table, the model, the data, the device and where the run starts (the
-    step a resume continues from)."""
+def opening_lines(run: Run, table: str, length: str) -> list[str]:
+    """The plan's `table` (the task's, or the batch's), the run's `length` line, the model,
+    the data, the device and where the run starts (the step a resume continues from)."""
     config, model_info, device = run.config, run.model_info, run.device
     info, floor = run.data.info, run.data.info.entropy_floor
     resumed = run.outputs.resumed_at is not None
     at = f", resuming at step {run.acc.steps}" if resumed else ""
-    table = run.resolved.table
-    if run.sft_plan is not None:  # what the fine-tuning steps hold, not --seq-len sequences
-        table = sft_plan.render(sft_plan.rows(run.sft_plan, config, run.resolved.plan))
-    if run.policy is not None:  # --task grpo: prompts, completions, the loss, the rewards
-        table = "\n".join(grpo.plan_lines(config, run.rewards, run.rank_info.world_size))
     lines = [
         table,
         f"model  {model_info.source}: {model_info.params:,} parameters",
@@ -54,7 +49,7 @@ def opening_lines(run: Run) -> list[str]:
         + (f", entropy floor {floor:.3f} nats/token" if floor is not None else ""),
         f"device {device}, precision {config.precision}, out {config.out}{at}",
     ]
-    lines[1:1] = [length_line(run)]  # after the table: the run's steps in epochs
+    lines[1:1] = [length]  # after the table: the run's steps in epochs
     lines[3:3] = adapters.opening_lines(model_info)  # LoRA: targets, trainable parameters
     lines[3:3] = pretrained_lines(config, model_info)
     if config.micro_batch == "auto" and not resumed:  # a resume keeps the one it trained with
@@ -93,20 +88,6 @@ def pretrained_lines(config, model_info) -> list[str]:
     return ["optim  " + ", ".join(words)]
 
 
-def length_line(run: Run) -> str:
-    """The run's length in steps and epochs and what ends it (`gradaccum.train.epochs`); a
-    --batch-schedule run's in tokens."""
-    config, batch = run.config, run.batch
-    if run.policy is not None:
-        return grpo.length_line(config, len(run.prompts), batch.total)
-    if run.sft is not None:
-        return sft.length_line(config, run.sft.train)
-    if batch.varies:
-        return f"length {fmt_count(batch.total_tokens)} tokens (--max-tokens), the steps as k grows"
-    sequences = len(run.data.train)
-    return pretrain_length_line(config, sequences, run.resolved.total_steps, batch.tokens_per_step)
-
-
 def stopped_line(stopped: str, step: int, total: int, outputs: Outputs) -> str:
     """A run stopped by `stopped` (SIGTERM, SIGINT, a request) after `step` of `total`
     steps: what was saved, and how to go on."""
@@ -131,36 +112,6 @@ def plot(records: list[dict], outputs: Outputs, entropy_floor: float | None, tit
     if not written:
         outputs.not_written["loss.png"] = "matplotlib not installed: pip install 'gradaccum[plot]'"
     return ["loss.png"] if written else []
-
-
-def plot_title(records: list[dict], run: Run) -> str:
-    """The model and the batch: b x k x world, or a schedule's first and last batch; for
-    --task sft the examples and the mean counted tokens per step; for --task grpo the prompts
-    and completions."""
-    config, model_info, batch = run.config, run.model_info, run.batch
-    if config.task == "grpo":
-        return (
-            f"{model_info.source}, --task grpo, {grpo.prompts_per_step(config)} prompts x "
-            f"{config.num_generations} completions/step, --loss-type {config.loss_type}"
-        )
-    if config.task == "sft":
-        counted = [r["counted_tokens"] for r in records if "counted_tokens" in r] or [0]
-        per_step = config.target_examples_per_step
-        size = f"{per_step} examples" if per_step else f"<= {config.tokens_per_step:,} tokens"
-        return (
-            f"{model_info.source}, --task sft, {size}/step "
-            f"({sum(counted) / len(counted):,.0f} counted tokens/step)"
-        )
-    if not batch.varies:
-        return (
-            f"{model_info.source}, {batch.tokens_per_step:,} tokens/step "
-            f"(b {batch.micro_batch} x k {batch.k} x world {batch.world_size})"
-        )
-    sizes = [r["tokens_per_step"] for r in records if "tokens_per_step" in r] or [0]
-    return (
-        f"{model_info.source}, {fmt_count(sizes[0])} -> {fmt_count(sizes[-1])} "
-        f"tokens/step (--batch-schedule {config.batch_schedule})"
-    )
 
 
 def critical_tokens(noise) -> float | None:
@@ -228,7 +179,6 @@ def summary(run: Run, records: list[dict], stopped: str | None, wall_s: float) -
     best = run.outputs.best  # --save-best's, known to rank 0
     train_lines = [r for r in records if "loss" in r]
     eval_lines = [r for r in records if "eval_loss" in r]
-    sft = config.task != "pretrain"
     return {
         "initial_loss": state.initial_loss,
         "final_loss": train_lines[-1]["loss"] if train_lines else None,
@@ -248,8 +198,6 @@ def summary(run: Run, records: list[dict], stopped: str | None, wall_s: float) -
         "accum_steps": batch.k,
         "world_size": batch.world_size,
         "sync": run.config.sync or "window",
-        # --task sft: the mean counted (target) tokens of a step, which vary by window
-        "tokens_per_step": batch.tokens // max(steps, 1) if sft else batch.tokens_per_step,
         "examples_per_step": config.target_examples_per_step,
         "batch_schedule": config.batch_schedule,
         "params": run.model_info.params,
@@ -261,5 +209,45 @@ def summary(run: Run, records: list[dict], stopped: str | None, wall_s: float) -
         "best_step": best.step if config.save_best else None,
         "best_eval_loss": best.eval_loss if config.save_best else None,
         "out": config.out,
-        "plan": run.sft_plan.to_dict() if run.sft_plan is not None else None,  # --task sft
+        "plan": None,  # --task sft: what its steps hold
+        **run.task.summary_fields(records, batch, steps),  # tokens_per_step among them
     }
+
+
+def finish(run: Run, stopped: str | None) -> dict:
+    """Export the model (a finished run only), plot the losses, return the summary, with
+    the files written (`files`) and those not, and why (`not_written`). No room for the
+    export ends the run in one line (RunFailed) naming the checkpoint still there."""
+    config, outputs, step, task = run.config, run.outputs, run.acc.steps, run.task
+    if stopped:
+        run.console.say(stopped_line(stopped, step, run.batch.total, outputs))
+    records, files = [], []
+    model = parts.unwrapped(run.model)
+    if run.sharded and stopped is None:  # gathered by every rank into rank 0's copy
+        model = parts.whole_model(run.model, config, run.data.info, run.is_main)
+    if run.is_main:
+        outputs.metrics.close()
+        records = read_metrics(os.path.join(config.out, "metrics.jsonl"))
+        files = ["metrics.jsonl", "config.yaml"]
+        if stopped is None:  # model.pt (and out/hf), or LoRA's adapter/ (and merged/)
+            at = f"step {step}/{run.batch.total}"
+            files += outputs.export_model(model, run.model_info, task.tokenizer_dir, at)
+            line = adapters.merge_line(model, config) if "merged/" in files else None
+            if line:  # --merge-lora on a base in 4 or 8 bits: what the merge changed
+                run.console.say(line)
+            if config.save_best:  # after the final export: its weights are loaded over
+                files += outputs.export_best(model, run.model_info, task.tokenizer_dir, step, at)
+        title = task.plot_title(records, run.model_info, run.batch)
+        files += plot(records, outputs, run.data.info.entropy_floor, title)
+        files += outputs.finish_trackers(run.console.say)  # the plots to them, closed
+        files += ["checkpoints/"] if outputs.saved_step is not None else []
+    noise = run.acc.noise.last if run.acc.noise is not None else None
+    for line in (critical_batch_line(noise, run.batch.tokens_per_step),
+                 best_line(run, f"{BEST_FOLDER}/" in files)):  # fmt: skip
+        if line:
+            run.console.say(line)
+    result = summary(run, records, stopped, time.perf_counter() - run.clock.started)
+    result.update(moe.summary_fields(run.moe, records))
+    result["files"] = files
+    result["not_written"] = dict(outputs.not_written)
+    return result

@@ -8,7 +8,7 @@ checkpoint names it, so a resumed run knows it (`restored`). At the end it is ex
 --out/best/ in the form of the final export (`Outputs.export_best`).
 
 An eval loss is only compared with one measured on the same eval set: each best carries the
-eval set's fingerprint (`eval_set_fingerprint`), and a resume on another eval set (with
+eval set's fingerprint (its task's `eval_fingerprint`), and a resume on another eval set (with
 --allow-data-change) looks for the best anew.
 """
 
@@ -17,18 +17,12 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from gradaccum.data.tokens import fingerprint as tokens_fingerprint
 from gradaccum.models import lora
-from gradaccum.train import adapters, sft
-from gradaccum.train.evaluation import EVAL_TOKENS
+from gradaccum.train import adapters
 from gradaccum.train.rundir import checkpoint
-
-if TYPE_CHECKING:
-    from gradaccum.train.loop import Run
 
 BEST_FOLDER = "best"
 """The folder under --out of the best checkpoint's export."""
@@ -45,7 +39,7 @@ class Best:
     eval_loss: float | None = None
     """Its eval loss, nats per counted token."""
     eval_set: str | None = None
-    """The fingerprint of the eval set the loss was measured on (`eval_set_fingerprint`)."""
+    """The fingerprint of the eval set the loss was measured on (the task's `eval_fingerprint`)."""
 
     def improved_by(self, eval_loss: float) -> bool:
         """Whether `eval_loss` is finite and lower than the best's (the first finite one is)."""
@@ -63,28 +57,19 @@ class Best:
         return asdict(self)
 
 
-def eval_set_fingerprint(run: Run) -> str:
-    """A hash of what `run` evaluates on: the SFT eval examples, or the held-out sequences a
-    pretraining evaluation reads (the first EVAL_TOKENS tokens, `train.evaluation`)."""
-    if run.sft is not None:
-        return sft.fingerprint([], run.sft.val)
-    val = run.data.val
-    sequences = min(len(val), max(1, EVAL_TOKENS // val.seq_len))
-    return tokens_fingerprint(val.tokens[: sequences * val.seq_len + 1])
-
-
-def restored(run: Run, state: dict | None) -> tuple[Best, list[str]]:
-    """The best a resumed `run` continues from (a checkpoint's `state`, None when it has
-    none), and a line when the one recorded cannot be: measured on another eval set, or its
-    folder gone (a resume that fell back past a newer best)."""
-    if not run.config.save_best or not state or state.get("step") is None:
+def restored(config, step: int, eval_set: str, state: dict | None) -> tuple[Best, list[str]]:
+    """The best a run resumed at `step` continues from (a checkpoint's `state`, None when it
+    has none), and a line when the one recorded cannot be: measured on another eval set than
+    the run's (`eval_set`, its task's fingerprint of it), or its folder gone (a resume that
+    fell back past a newer best)."""
+    if not config.save_best or not state or state.get("step") is None:
         return Best(), []
     best = Best(**state)
     was = f"the best checkpoint so far (step {best.step}, eval loss {best.eval_loss:.4f})"
-    again = f"the best is looked for anew from step {run.acc.steps}"
-    if best.eval_set != eval_set_fingerprint(run):
+    again = f"the best is looked for anew from step {step}"
+    if best.eval_set != eval_set:
         return Best(), [f"{was} was measured on another eval set; {again}"]
-    if not os.path.isdir(best.folder(run.config.out)):
+    if not os.path.isdir(best.folder(config.out)):
         return Best(), [f"{was} is no longer in {checkpoint.CHECKPOINTS}/; {again}"]
     return best, []
 

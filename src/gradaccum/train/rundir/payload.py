@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from gradaccum.parallel import sharding
 from gradaccum.train.moe import STATE_KEY as MOE_STATE
+from gradaccum.train.parts import unwrapped
 from gradaccum.train.rundir import best, checkpoint
 from gradaccum.utils.errors import BadInput
 
@@ -66,10 +67,22 @@ def trainer_state(run: Run) -> dict:
         "metrics_lines": run.outputs.metrics.lines,
         "progress": {"tokens": batch["tokens"], **run.state.state_dict()},
         best.STATE_KEY: run.outputs.best.state_dict(),
+        "task": run.task.state_dict(),
     }
     if run.moe is not None:
         payload[MOE_STATE] = run.moe.state_dict()
     return payload
+
+
+def checkpoint_contents(run: Run) -> tuple[dict, dict]:
+    """What a checkpoint of the run as it stands holds: (model state_dict, trainer state);
+    a sharded model's gathered whole by every rank, kept by rank 0."""
+    if run.sharded:
+        model_state = sharding.full_state(run.model, run.is_main)
+        if not run.is_main:  # joins the optimizer state's gather; rank 0 writes
+            return model_state, {"optimizer": optimizer_state(run)}
+        return model_state, trainer_state(run)
+    return unwrapped(run.model).state_dict(), trainer_state(run)
 
 
 def optimizer_state(run: Run) -> dict:
@@ -107,7 +120,10 @@ def restore(run: Run, payload: dict) -> list[str]:
     batch = {"tokens": progress.pop("tokens"), "batching": payload.get("batching")}
     run.batch.load_state_dict(batch, run.acc.steps)
     run.state.load_state_dict(progress)
-    run.outputs.best, lines = best.restored(run, payload.get(best.STATE_KEY))
+    run.task.load_state_dict(payload.get("task", {}))  # none in a checkpoint from before
+    fingerprint = run.task.eval_fingerprint(run.data)
+    run.outputs.best, lines = best.restored(run.config, run.acc.steps, fingerprint,
+                                            payload.get(best.STATE_KEY))  # fmt: skip
     if run.moe is None:
         return lines
     return lines + run.moe.load_state_dict(payload, run.acc.steps)  # the previous window's f
