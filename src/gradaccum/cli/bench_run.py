@@ -79,17 +79,29 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 def _measure(task: str, args: argparse.Namespace, progress):
     """(results, config, to_json, render_table) of --task `task`; its config read and
     checked before anything is built."""
-    if task == "grpo":
-        from gradaccum.bench.grpo import report as grpo_report
-        from gradaccum.bench.grpo.measure import run_grpo_bench
+    return MEASURES[task](args, progress)
 
-        rows, summary = run_grpo_bench(grpo_config_from_args(args), progress=progress)
-        return rows, summary, grpo_report.to_json, grpo_report.render_table
-    if task == "sft":
-        entries, summary = run_sft_bench(sft_config_from_args(args), progress=progress)
-        return entries, summary, sft_report.to_json, sft_report.render_table
+
+def _measure_grpo(args: argparse.Namespace, progress):
+    from gradaccum.bench.grpo import report as grpo_report
+    from gradaccum.bench.grpo.measure import run_grpo_bench
+
+    rows, summary = run_grpo_bench(grpo_config_from_args(args), progress=progress)
+    return rows, summary, grpo_report.to_json, grpo_report.render_table
+
+
+def _measure_sft(args: argparse.Namespace, progress):
+    entries, summary = run_sft_bench(sft_config_from_args(args), progress=progress)
+    return entries, summary, sft_report.to_json, sft_report.render_table
+
+
+def _measure_pretrain(args: argparse.Namespace, progress):
     entries, summary = run_bench(config_from_args(args), progress=progress)
     return entries, summary, to_json, render_table
+
+
+MEASURES = {"pretrain": _measure_pretrain, "sft": _measure_sft, "grpo": _measure_grpo}
+"""The bench of each --task."""
 
 
 def run(args: argparse.Namespace) -> int:

@@ -17,6 +17,7 @@ from gradaccum.moe.settings import MoESettings
 from gradaccum.parallel.settings import ParallelSettings
 from gradaccum.settings.command import Command, part
 from gradaccum.train.settings import BatchSettings, RunSettings
+from gradaccum.train.tasks.registry import rules_of
 from gradaccum.utils.choices import PACKINGS
 from gradaccum.utils.errors import BadInput, flag_name
 from gradaccum.verification.budget import MAX_SEQ_LEN
@@ -170,7 +171,7 @@ def parse_sizes(args) -> dict:
     _check_task(args)
     _check_lora(args)
     _check_plot(args)
-    if args.task == "grpo":
+    if rules_of(args.task).takes_rl:
         sizes.update(_grpo_cut(args))
     return sizes
 
@@ -237,12 +238,13 @@ SFT_READING = ("data_format", "train_on_prompt", "drop_long", "skip_bad_rows")
 def _check_task(args) -> None:
     """--data belongs to --task sft, the RL settings to --task grpo; the N-rank check and the
     precision study run on the pretraining window only."""
-    if args.task != "grpo":
+    rules = rules_of(args.task)
+    if not rules.takes_rl:
         for name in GRPO_FIELDS:
             value = getattr(args, name)
             if value != COMMAND.default(name, args.task):
                 raise BadInput(flag_name(name), value, "needs --task grpo")
-    if args.task != "sft":
+    if not rules.counts_examples:
         if args.data is not None:
             raise BadInput("--data", args.data, f"needs --task sft; --task {args.task} "
                            f"{OWN_DATA[args.task]}")  # fmt: skip
@@ -257,7 +259,7 @@ def _check_task(args) -> None:
             raise BadInput("--packing", args.packing, "needs --task sft")
         if args.micro_batch_tokens is not None:
             raise BadInput("--micro-batch-tokens", args.micro_batch_tokens, "needs --task sft")
-        if args.task == "grpo":
+        if rules.takes_rl:
             _check_grpo(args)
         return
     tokens = args.micro_batch_tokens

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from gradaccum.cli.common import print_json
 from gradaccum.cli.verify import parse_sizes
 from gradaccum.settings.command import namespace
+from gradaccum.train.tasks.registry import rules_of
 from gradaccum.utils.choices import LOSS_TYPES
 from gradaccum.verification.budget import check_fits
 from gradaccum.verification.cases import (
@@ -38,7 +39,8 @@ __all__ = ["run"]
 def run(args) -> int:
     args = namespace(args)
     sizes = parse_sizes(args)
-    if args.task == "grpo":
+    rules = rules_of(args.task)
+    if rules.takes_rl:
         return _run_grpo(args, sizes)
     case = build_case(args, sizes)
     moe = moe_mode(args, case)
@@ -46,7 +48,7 @@ def run(args) -> int:
     check_beyond_window(case, sizes, args.precision_study)
     progress = _progress(sizes)
     seed = sizes["seed"]
-    window = sft_examples(args, case, sizes, seed) if args.task == "sft" else None
+    window = sft_examples(args, case, sizes, seed) if rules.counts_examples else None
     batches = window.micro_batches if window is not None else sample(case, sizes, seed)
     previous = previous_window(args, case, sizes) if moe == "global-previous" else None
     report = verify(

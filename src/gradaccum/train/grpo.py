@@ -25,7 +25,6 @@ What differs from SFT, and only that, is here; the loop (`gradaccum.train.loop`)
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 from dataclasses import dataclass
@@ -41,9 +40,14 @@ from gradaccum.data.sft.windows import SFTBatches
 from gradaccum.engine.precision import autocast_dtype
 from gradaccum.grpo.rewards import RewardFn, load_rewards, probe, score
 from gradaccum.grpo.sampling import sample
-from gradaccum.grpo.settings import DEFAULT_PROMPTS_PER_STEP
 from gradaccum.parallel import collectives, devices
 from gradaccum.train.config import TrainConfig
+from gradaccum.train.grpo_plan import (  # noqa: F401 - the plan of a run, here too
+    length_line,
+    plan_config,
+    plan_lines,
+    prompts_per_step,
+)
 from gradaccum.train.settings import TASK_DEFAULTS
 from gradaccum.utils.errors import BadInput
 
@@ -70,10 +74,6 @@ def prompts_of(examples: list[Example], tokenizer, seq_len: int) -> list[Prompt]
         answer = [int(i) for i in e.input_ids[first:] if int(i) != tokenizer.eos_id]
         found.append(Prompt(ids, tokenizer.decode(ids), tokenizer.decode(answer)))
     return found
-
-
-def prompts_per_step(config: TrainConfig) -> int:
-    return config.prompts_per_step or DEFAULT_PROMPTS_PER_STEP
 
 
 def rewards_of(config: TrainConfig, prompts: list[Prompt]) -> list[RewardFn]:
@@ -439,56 +439,6 @@ def _gathered(mine: dict[int, Group], world: int) -> dict[int, Group]:
 
 def _group_state(group: Group) -> dict:
     return {k: v for k, v in vars(group).items()}
-
-
-def plan_config(config: TrainConfig, world_size: int) -> TrainConfig:
-    """The config `resolve_plan` plans a GRPO run with: each step's prompts x completions as
-    sequences of --seq-len (no row is wider), k = ceil(completions per rank / micro-batch)."""
-    micro = config.micro_batch
-    rows = prompts_per_step(config) * config.num_generations
-    k = max(1, math.ceil(rows / (micro * world_size)))
-    planned = copy.copy(config)  # not `replace`: --tokens-per-step is refused with --task grpo
-    planned.tokens_per_step = k * micro * world_size * config.seq_len
-    return planned
-
-
-def plan_lines(config: TrainConfig, rewards: list[RewardFn], world_size: int) -> list[str]:
-    """The start-of-run lines of a GRPO run: what a step holds, how the loss divides, the
-    rewards, the sampling."""
-    p, g = prompts_per_step(config), config.num_generations
-    per_rank = math.ceil(p / world_size) * g
-    k = math.ceil(per_rank / config.micro_batch)
-    count = {
-        "grpo": "the window's completions (each completion's token mean, averaged)",
-        "bnpo": "the window's completion tokens",
-        "dapo": "the window's completion tokens",
-        "dr_grpo": f"completions x --max-completion-length {config.max_completion_length}",
-    }[config.loss_type]
-    clip = f"[{1 - config.epsilon:g}, {1 + (config.epsilon_high or config.epsilon):g}]"
-    policy = ("on-policy (the ratio is 1; the clip never acts)" if config.steps_per_generation == 1
-              else f"{config.steps_per_generation} steps per generation, sampling log-probs kept, "
-              f"ratio clipped to {clip}")  # fmt: skip
-    reward = " + ".join(f"{r.weight:g} x {r.name}" for r in rewards)
-    lines = [
-        f"grpo   {p} prompts x {g} completions = {p * g} completions per step over "
-        f"{world_size} rank(s): up to {per_rank} per rank in {k} micro-batch(es) of "
-        f"{config.micro_batch}, longest first, each padded to its longest",
-        f"grpo   --loss-type {config.loss_type}: summed over completion tokens, divided once "
-        f"by {count} over every micro-batch and rank",
-        f"grpo   reward {reward}; advantages per group "
-        + ("over the group's std" if config.scale_rewards == "group" else "centred only"),
-        f"grpo   sampling at temperature {config.temperature:g}, at most "
-        f"{config.max_completion_length} tokens per completion, {policy}"
-        + (f"; KL to the starting model x {config.beta:g}" if config.beta else ""),
-    ]
-    return lines
-
-
-def length_line(config: TrainConfig, prompts: int, steps: int) -> str:
-    """The run's length: its steps, and the passes over the prompts they make."""
-    taken = steps * prompts_per_step(config)
-    return (f"length {steps:,} steps (--max-steps), {taken:,} prompts: {taken / prompts:.2f} "
-            f"passes over the {prompts:,} prompts, each in a new order")  # fmt: skip
 
 
 def check(config: TrainConfig, prompts: list[Prompt]) -> None:

@@ -18,6 +18,7 @@ from gradaccum.models.build import build_model
 from gradaccum.models.loss import causal_lm_loss
 from gradaccum.models.quantized_spec import QuantSpec, spec_of
 from gradaccum.moe.router import moe_spec
+from gradaccum.train.tasks.registry import rules_of
 from gradaccum.utils.errors import BadInput
 from gradaccum.verification.budget import RANK_BYTES_PER_PARAMETER
 from gradaccum.verification.check import TOLERANCES, sample_batches
@@ -102,7 +103,7 @@ def build_case(args, sizes: dict) -> Case:
     folder keeps its own weights); with --base-bits built quantised on the CPU, and with
     --lora-rank (or --base-bits) given LoRA adapters (`_adapt`). `sizes`: the window's
     (`cli/verify.parse_sizes`)."""
-    sft = getattr(args, "task", "pretrain") in ("sft", "grpo")  # examples' tokenizer
+    sft = rules_of(getattr(args, "task", "pretrain")).reads_rows  # examples' tokenizer
     init_from = getattr(args, "init_from", None)
     quant = spec_of(args, "cpu")  # None without --base-bits
     try:
@@ -230,7 +231,7 @@ def moe_mode(args, case: Case) -> str | None:
     mode = check_mode(case.model, args.moe_balance)
     if mode is None:
         return None
-    if args.task == "sft" and args.packing != "none":
+    if rules_of(args.task).counts_examples and args.packing != "none":
         raise BadInput(
             "--packing",
             args.packing,
@@ -282,7 +283,7 @@ def sample(case: Case, sizes: dict, seed: int) -> list[dict]:
 def previous_window(args, case: Case, sizes: dict) -> list[dict]:
     """--moe-balance global-previous: the window before, another draw of the same kind."""
     before = sizes["seed"] + 1
-    sft = args.task == "sft"
+    sft = rules_of(args.task).counts_examples
     previous = sft_examples(args, case, sizes, before).micro_batches if sft else None
     return previous or sample(case, sizes, before)
 

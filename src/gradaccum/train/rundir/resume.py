@@ -29,6 +29,7 @@ from gradaccum.train.rundir.metrics import read_metrics_text
 from gradaccum.train.rundir.settings import RESUME_AUTO, read_resume
 from gradaccum.train.schedule import Schedule
 from gradaccum.train.settings import DEFAULT_EXAMPLES_PER_STEP
+from gradaccum.train.tasks.registry import rules_of
 from gradaccum.utils.choices import DEFAULT_MODEL
 from gradaccum.utils.errors import BadInput, flag_name
 
@@ -166,7 +167,8 @@ def _changes(name: str, config: TrainConfig, saved: dict) -> bool:
     if name != "examples_per_step":
         return getattr(config, name) != saved[name]
     then = saved[name]
-    if then is None and saved.get("task") == "sft" and saved.get("tokens_per_step") is None:
+    counted = rules_of(saved.get("task", "pretrain")).counts_examples
+    if then is None and counted and saved.get("tokens_per_step") is None:
         then = DEFAULT_EXAMPLES_PER_STEP
     return config.target_examples_per_step != then
 
@@ -280,7 +282,7 @@ def _batch_line(ckpt, batch) -> str | None:
         "the batch schedule"
         if saved.get("batch_schedule") is not None
         else "each window's examples"
-        if saved.get("task") in ("sft", "grpo")
+        if rules_of(saved.get("task", "pretrain")).reads_rows
         else None
     )
     if follows is not None:
