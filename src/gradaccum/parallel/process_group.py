@@ -16,6 +16,7 @@ NPU, xccl on Intel GPUs, gloo on CPU):
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -165,7 +166,12 @@ def peer_lost(err: BaseException) -> bool:
 
 
 def teardown(info: RankInfo) -> None:
-    """Destroy the process group if `init_distributed` created it."""
+    """Destroy the process group if `init_distributed` created it, after the garbage that
+    still holds it is collected. A DDP model left in a reference cycle (a trainer's parts
+    point at each other) keeps the group's C++ side alive past `destroy_process_group`; it is
+    then freed at interpreter exit, where gloo can abort the process ("terminate called
+    without an active exception", exit -6 under torchrun after a run that succeeded)."""
+    gc.collect()
     if info.owns_group and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 

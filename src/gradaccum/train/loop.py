@@ -37,7 +37,7 @@ from gradaccum.train.rundir.payload import RunState
 from gradaccum.train.schedule import make_scheduler
 from gradaccum.train.tasks import Begin, task_class
 from gradaccum.utils.atomic import interrupted
-from gradaccum.utils.errors import BadInput, RunFailed, first_line
+from gradaccum.utils.errors import BadInput, RunFailed, first_line, release_frames
 
 __all__ = ["TrainConfig", "evaluate", "prepare", "train"]
 
@@ -65,6 +65,9 @@ def train(config: TrainConfig, should_stop: Callable[[int], bool] | None = None)
             if stopped is not None:
                 return stopped
         return Run.build(config, rank_info).train(should_stop)
+    except BaseException as err:
+        release_frames(err)  # the run's model, held by its frames, freed before the group
+        raise
     finally:
         teardown(rank_info)
 

@@ -7,6 +7,8 @@ the planner imports it.
 
 from __future__ import annotations
 
+import traceback
+
 
 class BadInput(ValueError):
     """A flag (or argument) with a value that cannot work: `--micro-batch 0: must be >= 1`.
@@ -60,3 +62,14 @@ def first_line(err: BaseException) -> str:
     error quoted inside a one-line message."""
     text = str(err).strip()
     return text.splitlines()[0].strip() if text else type(err).__name__
+
+
+def release_frames(err: BaseException) -> None:
+    """Clear the local variables of the frames `err` and the exceptions it chains to hold
+    (those that finished running), so that what they pointed at (a model, its process group)
+    can be freed while the error goes on to be reported; its text and traceback lines stay."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        traceback.clear_frames(err.__traceback__)
+        err = err.__cause__ or err.__context__
