@@ -28,6 +28,12 @@ if TYPE_CHECKING:
     from gradaccum.train.loop import Run
 
 
+FORMAT = 2
+"""trainer.pt's format: 2 adds `format` and the task's own state (`task`); a checkpoint
+without `format` is 1, written before the task protocol, and resumes as it is (no task
+state)."""
+
+
 @dataclass
 class RunState:
     """What a run has done so far besides its batch (`BatchState.tokens`), saved with each
@@ -53,6 +59,7 @@ def trainer_state(run: Run) -> dict:
     """The payload of a checkpoint of `run` after its `acc.steps` optimizer steps."""
     batch = run.batch.state_dict()
     payload = {
+        "format": FORMAT,
         "step": run.acc.steps,
         "optimizer": optimizer_state(run),
         "scheduler": run.scheduler.state_dict(),
@@ -99,6 +106,10 @@ def restore(run: Run, payload: dict) -> list[str]:
     that say what else changed (a best checkpoint looked for anew, a mixture of experts'
     balance mode)."""
     config, optimizer, scheduler = run.config, run.optimizer, run.scheduler
+    if payload.get("format", 1) > FORMAT:
+        raise BadInput("--resume", config.out, f"its checkpoint is of format "
+                       f"{payload['format']}, newer than this gradaccum's {FORMAT}: upgrade "
+                       "gradaccum to resume it")  # fmt: skip
     if run.sharded:  # each tensor laid out as its parameter
         sharding.load_optimizer_state(optimizer, payload["optimizer"])
     else:
