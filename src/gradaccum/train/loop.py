@@ -33,7 +33,7 @@ from gradaccum.data.batches import Batches
 from gradaccum.engine.accumulator import Accumulator, StepResult
 from gradaccum.grpo.rewards import RewardError
 from gradaccum.models.loss import causal_lm_loss
-from gradaccum.parallel import collectives, devices, sharding
+from gradaccum.parallel import collectives, devices
 from gradaccum.parallel.process_group import RankInfo, init_distributed, teardown
 from gradaccum.train import adapters, grpo, micro_batch, moe, parts, sft, sft_plan, summary
 from gradaccum.train.batch_state import BatchState
@@ -566,12 +566,9 @@ class Run:
 
     def checkpoint_contents(self) -> tuple[dict, dict]:
         """What a checkpoint of the run as it stands holds: (model state_dict, trainer state);
-        a sharded model's gathered whole by every rank, kept by rank 0."""
+        a sharded model's: (each rank's own shards, the trainer state on rank 0)."""
         if self.sharded:
-            model_state = sharding.full_state(self.model, self.is_main)
-            if not self.is_main:  # joins the optimizer state's gather; rank 0 writes
-                return model_state, {"optimizer": payload.optimizer_state(self)}
-            return model_state, self.trainer_state()
+            return payload.sharded_contents(self)
         return parts.unwrapped(self.model).state_dict(), self.trainer_state()
 
     def save(self) -> None:
