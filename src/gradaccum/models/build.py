@@ -110,7 +110,7 @@ def is_hf_folder(directory: str) -> bool:
     config = _read_config(directory)
     if config.get("model_type", GPT_MODEL_TYPE) == GPT_MODEL_TYPE:
         return False
-    return not os.path.exists(os.path.join(directory, "model.pt"))
+    return not _holds_weights(directory)
 
 
 def gpt_info(model: GPT, source: str) -> ModelInfo:
@@ -152,6 +152,10 @@ def _load_state_dict(directory: str) -> dict:
                 f"--init-from {directory}: model.safetensors needs safetensors (pip install safetensors)"
             ) from None
         state = load_file(st_path)
+    elif os.path.isdir(os.path.join(directory, "sharded")):  # a sharded run's checkpoint
+        from gradaccum.parallel.sharding import read_sharded_model
+
+        state = read_sharded_model(os.path.join(directory, "sharded"))
     elif os.path.exists(pt_path):
         try:
             state = torch.load(pt_path, map_location="cpu", weights_only=True)
@@ -195,6 +199,12 @@ def _read_config(directory: str) -> dict:
     return saved
 
 
+def _holds_weights(directory: str) -> bool:
+    """Whether a folder holds this project's checkpoint weights: model.pt, or a sharded run's
+    sharded/ (torch.distributed.checkpoint's files)."""
+    return any(os.path.exists(os.path.join(directory, n)) for n in ("model.pt", "sharded"))
+
+
 def _from_checkpoint(directory: str, vocab_size, seq_len, dropout: float, dtype: str, weights=True):
     flag = "--init-from"
     saved = _read_config(directory)
@@ -209,7 +219,7 @@ def _from_checkpoint(directory: str, vocab_size, seq_len, dropout: float, dtype:
             raise BadInput(f"{flag} {directory}: config.json is not a GPT config ({err})") from None
         check_fits(flag, directory, cfg.vocab_size, cfg.seq_len, vocab_size, seq_len)
         model, info = GPT(cfg), None
-    elif weights and not os.path.exists(os.path.join(directory, "model.pt")):
+    elif weights and not _holds_weights(directory):
         return _from_hf_folder(directory, vocab_size, seq_len, dtype)
     else:  # this project's own checkpoint of a Hugging Face model: config.json and model.pt
         model, info = from_config(flag, directory, source, vocab_size, seq_len)
