@@ -23,6 +23,8 @@ hold it), and `read_sharded_model` reads the model's tensors whole into one proc
 from __future__ import annotations
 
 import os
+import warnings
+from contextlib import contextmanager
 
 import torch
 
@@ -169,7 +171,8 @@ def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folde
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     state = sharded_state(model, optimizer)  # the layout to read into
-    dcp.load(state, checkpoint_id=folder)
+    with _alone_is_meant():
+        dcp.load(state, checkpoint_id=folder)
     set_state_dict(
         model,
         optimizer,
@@ -192,5 +195,14 @@ def read_sharded_model(folder: str) -> dict:
         for key, meta in reader.read_metadata().state_dict_metadata.items()
         if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
     }
-    dcp.load(state, storage_reader=reader, no_dist=True)
+    with _alone_is_meant():
+        dcp.load(state, storage_reader=reader, no_dist=True)
     return {key.removeprefix(prefix): value for key, value in state.items()}
+
+
+@contextmanager
+def _alone_is_meant():
+    """dcp's warning that it loads in one process left out: here that is what is meant."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
