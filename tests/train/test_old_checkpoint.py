@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from gradaccum.cli import main
+from gradaccum.train.rundir.checkpoint import FORMAT
 from gradaccum.train.rundir.metrics import read_metrics
-from gradaccum.train.rundir.payload import FORMAT
 
 SAVED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "run_before_tasks")
 

@@ -30,6 +30,7 @@ def build_model(
     dtype: str = "auto",
     quant=None,
     device="cpu",
+    weights: bool = True,
 ) -> tuple[nn.Module, ModelInfo]:
     """Build the model to train, from exactly one of a preset, an HF config or a checkpoint.
 
@@ -40,6 +41,8 @@ def build_model(
         model.pt, a state_dict), or a Hugging Face folder as save_pretrained writes it (single
         or sharded safetensors, pytorch_model.bin; gradaccum.models.hf_folder).
     For the last two, vocab_size and seq_len, when given, are checked to fit the model.
+    weights: False builds a checkpoint folder's model from its config.json alone, at random
+        init (a sharded checkpoint, whose weights the run reads into the placed model).
     dtype: for a Hugging Face folder, "auto" keeps the stored dtype (bf16 stays bf16), "fp32"
         upcasts. Other models are built as their config says (the built-in GPT in fp32).
     quant: a `QuantSpec` (--base-bits): the blocks' linear layers stored in 4 or 8 bits on
@@ -55,7 +58,7 @@ def build_model(
     if len(given) != 1:
         raise ValueError("build_model: give exactly one of preset, config_path, init_from")
     if init_from is not None:
-        return _from_checkpoint(init_from, vocab_size, seq_len, dropout, dtype)
+        return _from_checkpoint(init_from, vocab_size, seq_len, dropout, dtype, weights)
     if config_path is not None:
         if not os.path.exists(config_path):
             raise BadInput(f"--model-config {config_path}: no such file")
@@ -107,7 +110,7 @@ def is_hf_folder(directory: str) -> bool:
     config = _read_config(directory)
     if config.get("model_type", GPT_MODEL_TYPE) == GPT_MODEL_TYPE:
         return False
-    return not os.path.exists(os.path.join(directory, "model.pt"))
+    return not _holds_weights(directory)
 
 
 def gpt_info(model: GPT, source: str) -> ModelInfo:
@@ -149,6 +152,10 @@ def _load_state_dict(directory: str) -> dict:
                 f"--init-from {directory}: model.safetensors needs safetensors (pip install safetensors)"
             ) from None
         state = load_file(st_path)
+    elif os.path.isdir(os.path.join(directory, "sharded")):  # a sharded run's checkpoint
+        from gradaccum.parallel.sharding import read_sharded_model
+
+        state = read_sharded_model(os.path.join(directory, "sharded"))
     elif os.path.exists(pt_path):
         try:
             state = torch.load(pt_path, map_location="cpu", weights_only=True)
@@ -192,7 +199,13 @@ def _read_config(directory: str) -> dict:
     return saved
 
 
-def _from_checkpoint(directory: str, vocab_size, seq_len, dropout: float, dtype: str):
+def _holds_weights(directory: str) -> bool:
+    """Whether a folder holds this project's checkpoint weights: model.pt, or a sharded run's
+    sharded/ (torch.distributed.checkpoint's files)."""
+    return any(os.path.exists(os.path.join(directory, n)) for n in ("model.pt", "sharded"))
+
+
+def _from_checkpoint(directory: str, vocab_size, seq_len, dropout: float, dtype: str, weights=True):
     flag = "--init-from"
     saved = _read_config(directory)
     source = f"checkpoint {directory}"
@@ -206,10 +219,12 @@ def _from_checkpoint(directory: str, vocab_size, seq_len, dropout: float, dtype:
             raise BadInput(f"{flag} {directory}: config.json is not a GPT config ({err})") from None
         check_fits(flag, directory, cfg.vocab_size, cfg.seq_len, vocab_size, seq_len)
         model, info = GPT(cfg), None
-    elif not os.path.exists(os.path.join(directory, "model.pt")):
+    elif weights and not _holds_weights(directory):
         return _from_hf_folder(directory, vocab_size, seq_len, dtype)
     else:  # this project's own checkpoint of a Hugging Face model: config.json and model.pt
         model, info = from_config(flag, directory, source, vocab_size, seq_len)
+    if not weights:
+        return model, info or gpt_info(model, source)
     try:
         model.load_state_dict(_load_state_dict(directory))
     except RuntimeError as err:

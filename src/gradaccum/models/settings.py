@@ -35,8 +35,8 @@ class ModelSettings:
     model_config: str | None = setting(None, "path")
     """A Hugging Face config.json: the causal LM it describes, random init, no download."""
     init_from: str | None = setting(None, "path", metavar="DIR")
-    """A folder to start from: a checkpoint (config.json + model.pt) or a Hugging Face model
-    folder with its weights, tokenizer and chat template."""
+    """A folder to start from: a checkpoint (config.json + model.pt, or a sharded run's
+    sharded/) or a Hugging Face model folder with its weights, tokenizer and chat template."""
     compile: bool = setting(False, "bool")
     """torch.compile the model (needs a working compiler toolchain)."""
     activation_checkpointing: bool = setting(False, "bool")

@@ -10,11 +10,21 @@ process the state a plain model and its optimizer would hold (whole tensors, the
 keyed by parameter index), so that a sharded run's checkpoint is the same file as an
 unsharded one's; `load_optimizer_state` puts such a state back, each tensor sharded as its
 parameter is.
+
+A checkpoint of a sharded run does not gather: `sharded_state` is the model's and the
+optimizer's state keyed by parameter name, each rank holding its own shards
+(`torch.distributed.checkpoint.state_dict.get_state_dict`), which `save_sharded` writes with
+`dcp.save`, every rank its own files. `load_sharded` reads such a folder into any run's model
+and optimizer, laid out as they are now (another number of ranks, another sync policy, a
+plain model on one process: dcp reads each rank's part of every tensor from the shards that
+hold it), and `read_sharded_model` reads the model's tensors whole into one process.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
+from contextlib import contextmanager
 
 import torch
 
@@ -116,3 +126,83 @@ def _laid_out(value, param: torch.Tensor):
     if not (isinstance(param, DTensor) and torch.is_tensor(value) and value.shape == param.shape):
         return value
     return distribute_tensor(value.to(param.device), param.device_mesh, param.placements)
+
+
+SHARDED_MODEL, SHARDED_OPTIMIZER = "model", "optimizer"
+"""The two parts of a sharded state (`sharded_state`): the keys dcp's files are under."""
+
+
+def _options(model: torch.nn.Module):
+    """get_state_dict's options for `model`: a frozen base (LoRA) is left out, rebuilt by the
+    run that loads it, as an unsharded checkpoint leaves it out."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=frozen)
+
+
+def sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """{"model": ..., "optimizer": ...}: the state of `model` (sharded with FSDP2, under DDP
+    or plain) and its `optimizer` keyed by parameter name, each rank holding only its own
+    shards (DTensors; nothing is gathered). An optimizer that has not stepped yet is given
+    its zero state first (torch's get_state_dict, with lr 0), so there is a layout to read
+    into."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=_options(model))
+    return {SHARDED_MODEL: model_state, SHARDED_OPTIMIZER: optimizer_state}
+
+
+def save_sharded(state: dict, folder: str) -> None:
+    """`state` of `sharded_state` into `folder` with `dcp.save`: every rank writes its own
+    shards (one file each, __<rank>_0.distcp), rank 0 the metadata; a collective: every rank
+    calls it, and it returns once every rank's files are written."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state, checkpoint_id=folder)
+
+
+def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: str) -> None:
+    """A folder of `save_sharded` into `model` and `optimizer` as they are laid out now,
+    resharded by dcp: each rank reads the parts of each tensor that its own shards (or whole
+    tensors, for a model that is not sharded) need. A collective where a process group is
+    up; one process reads alone."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    state = sharded_state(model, optimizer)  # the layout to read into
+    with _alone_is_meant():
+        dcp.load(state, checkpoint_id=folder)
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=state[SHARDED_MODEL],
+        optim_state_dict=state[SHARDED_OPTIMIZER],
+        options=_options(model),
+    )
+
+
+def read_sharded_model(folder: str) -> dict:
+    """The model's tensors of a folder of `save_sharded`, whole, on the CPU, read by this
+    process alone (no collective): a plain state_dict, as model.pt holds one."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(folder)
+    prefix = SHARDED_MODEL + "."
+    state = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in reader.read_metadata().state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
+    }
+    with _alone_is_meant():
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    return {key.removeprefix(prefix): value for key, value in state.items()}
+
+
+@contextmanager
+def _alone_is_meant():
+    """dcp's warning that it loads in one process left out: here that is what is meant."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield

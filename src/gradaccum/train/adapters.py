@@ -40,6 +40,7 @@ from gradaccum.models import lora
 from gradaccum.models.export import has_lora, unwrap
 from gradaccum.models.info import ModelInfo
 from gradaccum.models.quantized_spec import spec_of
+from gradaccum.train.rundir import checkpoint
 from gradaccum.utils.errors import BadInput
 
 RECORD = "gradaccum_lora"
@@ -213,7 +214,7 @@ def resumed_model(
             f"on: its weights' sha256 is {now['base_sha256'][:12]}..., the checkpoint's "
             f"{saved['base_sha256'][:12]}...; resume with the same base weights",
         )
-    state = torch.load(os.path.join(path, "model.pt"), map_location="cpu", weights_only=True)
+    state = checkpoint.read_model_state(path)  # model.pt, or a sharded run's adapters whole
     try:
         lora.load_adapter_state_dict(model, state)
     except ValueError as err:

@@ -328,7 +328,8 @@ class Run:
         return improved
 
     def checkpoint_contents(self) -> tuple[dict, dict]:
-        """What a checkpoint of the run as it stands holds: (model state_dict, trainer state)."""
+        """What a checkpoint of the run as it stands holds: (model state_dict, trainer state);
+        a sharded model's: (each rank's own shards, the trainer state on rank 0)."""
         return payload.checkpoint_contents(self)
 
     def save(self) -> None:

@@ -26,6 +26,7 @@ from gradaccum.parallel import sharding
 from gradaccum.parallel.process_group import RankInfo
 from gradaccum.train import adapters, eval_set, moe
 from gradaccum.train.config import TrainConfig
+from gradaccum.train.rundir import checkpoint
 from gradaccum.utils.errors import BadInput, first_line
 
 ADAM_BETAS = (0.9, 0.95)
@@ -137,9 +138,10 @@ def checkpoint_model(
     if config.lora_rank is not None:
         return adapters.resumed_model(config, path, *new_model(config, data_info, device))
     try:
-        model, info = build_model(
-            init_from=path, vocab_size=data_info.vocab_size, seq_len=config.seq_len
-        )
+        model, info = build_model(  # a sharded checkpoint's weights: `payload.restore`
+            init_from=path, vocab_size=data_info.vocab_size, seq_len=config.seq_len,
+            weights=not checkpoint.is_sharded(path),
+        )  # fmt: skip
     except BadInput as err:
         raise BadInput(
             "--resume", config.out, f"the checkpoint's model does not fit ({err.why or err})"

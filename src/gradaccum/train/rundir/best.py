@@ -77,7 +77,7 @@ def restored(config, step: int, eval_set: str, state: dict | None) -> tuple[Best
 def load_weights(model: torch.nn.Module, model_info, folder: str) -> None:
     """The weights of checkpoint `folder` into `model` (unwrapped): LoRA's adapters (the
     frozen base is the run's own), or the whole state_dict."""
-    state = torch.load(os.path.join(folder, "model.pt"), map_location="cpu", weights_only=True)
+    state = checkpoint.read_model_state(folder)  # model.pt, or a sharded run's shards whole
     if adapters.record_of(model_info) is not None:
         lora.load_adapter_state_dict(model, state)
     else:

@@ -18,6 +18,17 @@ renamed too), and only then are older checkpoints removed (all but the newest
 the previous checkpoint and a `latest` that names a complete folder. Everything is saved as
 tensors and plain containers, so both files load with torch.load(weights_only=True).
 
+A run whose model is sharded (--sync micro, hsdp) writes no model.pt: its model's and
+AdamW's state, keyed by parameter name, go through torch.distributed.checkpoint into
+step-*/sharded/ (`save_sharded`), every rank writing its own shards into the temporary folder
+(`sharding.save_sharded`: __<rank>_0.distcp, and .metadata), so that no process holds the
+whole state; rank 0 writes the rest (trainer.pt without the optimizer's tensors), the
+manifest over every file, the shards included, and renames the folder into place. Such a
+checkpoint resumes on any number of ranks under any sync policy (`sharding.load_sharded`
+reshards it), and `read_model_state` reads its model whole. trainer.pt's "format" is
+`FORMAT`; a checkpoint without it (format 1) has model.pt and the optimizer whole in
+trainer.pt, and resumes as before.
+
 What a rename cannot protect against (a file truncated, deleted or overwritten later, a disk
 that returns other bytes) the manifest catches: `newest_intact` checks sizes and checksums
 and falls back to the newest checkpoint that passes, naming what it skipped.
@@ -37,13 +48,27 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gradaccum.utils.atomic import fsync_dir, umask, write_atomic, write_text_atomic, writing
+from gradaccum.parallel import collectives, sharding
+from gradaccum.utils.atomic import (
+    fsync_dir,
+    no_room,
+    umask,
+    write_atomic,
+    write_text_atomic,
+    writing,
+)
 from gradaccum.utils.errors import first_line
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 MANIFEST = "manifest.json"
 _NAME = re.compile(r"^step-(\d+)$")
+SHARDED = "sharded"
+"""The sub-folder of a sharded run's checkpoint that dcp's files are in."""
+FORMAT_KEY, FORMAT = "format", 2
+"""trainer.pt's checkpoint format: 2 writes model.pt or sharded/ and the task's own state
+(`task`); a checkpoint without the key is format 1 (model.pt, the optimizer whole in
+trainer.pt, no task state), and resumes as it is; a newer one is refused."""
 
 
 @dataclass
@@ -54,8 +79,10 @@ class Checkpoint:
     """The checkpoint's folder."""
     step: int
     """Optimizer steps taken when it was saved."""
-    model_state: dict
-    """The model's state_dict (unwrapped: no DDP `module.` prefix)."""
+    model_state: dict | None
+    """The model's state_dict (unwrapped: no DDP `module.` prefix); None for a sharded
+    checkpoint, whose weights are read into the run's model (`sharding.load_sharded`) or
+    whole by `read_model_state`."""
     model_config: dict
     """The model's config.json."""
     trainer_state: dict
@@ -76,6 +103,10 @@ def save_model(folder: str, model_state: dict, model_config: dict, write=None) -
     plainly (`write=_write_synced`)."""
     write = write or write_atomic
     write(os.path.join(folder, "model.pt"), lambda f: torch.save(model_state, f))
+    _save_config(folder, model_config, write)
+
+
+def _save_config(folder: str, model_config: dict, write) -> None:
     text = json.dumps(model_config, indent=2, sort_keys=True).encode("utf-8")
     write(os.path.join(folder, "config.json"), lambda f: f.write(text))
 
@@ -97,31 +128,104 @@ def save(
     checkpoint and `latest` are untouched and nothing half-written is left: no room on the
     disk raises DiskFull naming the checkpoint's folder, a Ctrl-C KeyboardInterrupt.
     """
-    root = os.path.join(out, CHECKPOINTS)
-    name = f"step-{step:08d}"
-    final = os.path.join(root, name)
-    with writing(final):
+    root, name = os.path.join(out, CHECKPOINTS), f"step-{step:08d}"
+    with writing(os.path.join(root, name)):
         os.makedirs(root, exist_ok=True)
-        _write_folder(root, name, model_state, model_config, trainer_state, run_config)
-        try:
-            write_text_atomic(os.path.join(root, LATEST), name + "\n")
-        except BaseException:
-            # Where `latest` still names the previous checkpoint, the new one was never made
-            # current: it goes, and the folder is as it was before this save.
-            if _latest_text(root) != name:
-                _remove(root, name)
-            raise
+        tmp = tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root)
+        _write_folder(root, name, tmp, model_state, model_config, trainer_state, run_config)
+        _make_latest(root, name)
     _prune(root, keep, step, best)
-    return final
+    return os.path.join(root, name)
 
 
-def _write_folder(root, name, model_state, model_config, trainer_state, run_config) -> None:
-    """Every file of checkpoint `name` into a folder aside, fsynced, renamed to root/name."""
+def save_sharded(
+    out: str,
+    step: int,
+    shards: dict,
+    model_config: dict,
+    trainer_state: dict | None,
+    run_config: dict | None = None,
+    keep: int = 1,
+    best: int | None = None,
+    is_main: bool = True,
+) -> str:
+    """`save` for a sharded model, called by every rank: `shards` (this rank's, of
+    `sharding.sharded_state`) written by each rank into sharded/ of the temporary folder,
+    then on rank 0 (`is_main`) `trainer_state`, the manifest, the rename and `latest`, as
+    `save` does. The folder is the checkpoint's; a failure on any rank before the shards
+    are all written raises on every rank (the error of the rank it happened on), one after
+    it on rank 0 alone."""
+    root, name = os.path.join(out, CHECKPOINTS), f"step-{step:08d}"
+    tmp = os.path.join(root, f".tmp-{name}-{SHARDED}")  # one name every rank knows
+    with writing(os.path.join(root, name)):
+        made = None
+        if is_main:
+            made = _fresh_folder(root, tmp)
+        if collectives.max_over_ranks(int(made is not None)):  # the folder is there, or none
+            raise made or OSError(f"{tmp}: not made on rank 0")
+        try:
+            _write_shards(shards, os.path.join(tmp, SHARDED))
+        except BaseException:
+            if is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        if not is_main:
+            return os.path.join(root, name)
+        fsync_dir(os.path.join(tmp, SHARDED))
+        _write_folder(root, name, tmp, None, model_config, trainer_state, run_config)
+        _make_latest(root, name)
+    _prune(root, keep, step, best)
+    return os.path.join(root, name)
+
+
+def _fresh_folder(root: str, tmp: str) -> OSError | None:
+    """An empty folder `tmp` in `root` (one a killed save left is cleared first); the error
+    that stopped it, None once made."""
+    try:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.mkdir(tmp)
+    except OSError as err:
+        return err
+    return None
+
+
+def _write_shards(shards: dict, folder: str) -> None:
+    """`sharding.save_sharded`, a failure on any rank raised as that rank's own error (dcp
+    raises every rank's failures together, as a BaseException)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        sharding.save_sharded(shards, folder)
+    except CheckpointException as err:
+        failures = [failure[0] for failure in err.failures.values()]
+        raise next((f for f in failures if no_room(f)), failures[0]) from None
+
+
+def _make_latest(root: str, name: str) -> None:
+    """`latest` moved to checkpoint `name`, the folder renamed into place."""
+    try:
+        write_text_atomic(os.path.join(root, LATEST), name + "\n")
+    except BaseException:
+        # Where `latest` still names the previous checkpoint, the new one was never made
+        # current: it goes, and the folder is as it was before this save.
+        if _latest_text(root) != name:
+            _remove(root, name)
+        raise
+
+
+def _write_folder(root, name, tmp, model_state, model_config, trainer_state, run_config):
+    """Every file of checkpoint `name` into folder `tmp` aside (beside what is in it: a
+    sharded checkpoint's shards), fsynced, renamed to root/name. Without `model_state` (a
+    sharded checkpoint) no model.pt, config.json alone."""
     final = os.path.join(root, name)
-    tmp = tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root)
+    trainer_state = {**trainer_state, FORMAT_KEY: FORMAT}
     try:
         os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes it owner-only
-        save_model(tmp, model_state, model_config, write=_write_synced)
+        if model_state is not None:
+            save_model(tmp, model_state, model_config, write=_write_synced)
+        else:
+            _save_config(tmp, model_config, _write_synced)
         _write_synced(os.path.join(tmp, "trainer.pt"), lambda f: torch.save(trainer_state, f))
         if run_config is not None:
             text = json.dumps(run_config, indent=2, sort_keys=True).encode("utf-8")
@@ -231,12 +335,16 @@ def _sha256(path: str) -> str:
 
 
 def _manifest(folder: str) -> dict:
+    """Size and sha256 of every file under `folder` (a sub-folder's as "sharded/name")."""
     files = {}
-    for name in sorted(os.listdir(folder)):
-        if name != MANIFEST:
-            path = os.path.join(folder, name)
-            files[name] = {"bytes": os.path.getsize(path), "sha256": _sha256(path)}
-    return {"files": files}
+    for top, dirs, names in os.walk(folder):
+        dirs.sort()
+        for name in sorted(names):
+            path = os.path.join(top, name)
+            key = os.path.relpath(path, folder).replace(os.sep, "/")
+            if key != MANIFEST:
+                files[key] = {"bytes": os.path.getsize(path), "sha256": _sha256(path)}
+    return {"files": dict(sorted(files.items()))}
 
 
 def damage(path: str) -> str | None:
@@ -299,11 +407,32 @@ def newest_intact(out: str) -> tuple[str | None, list[str]]:
     return None, skipped
 
 
+def is_sharded(path: str) -> bool:
+    """Whether checkpoint folder `path` holds a sharded run's state (sharded/, no model.pt)."""
+    return os.path.isdir(os.path.join(path, SHARDED))
+
+
+def folder_of(out: str, step: int) -> str:
+    """The folder of the checkpoint of `step` under `out`."""
+    return os.path.join(out, CHECKPOINTS, f"step-{step:08d}")
+
+
+def read_model_state(path: str) -> dict:
+    """The model's state_dict of checkpoint folder `path`, whole, on the CPU: model.pt, or
+    for a sharded checkpoint its shards read by this process alone."""
+    if is_sharded(path):
+        return sharding.read_sharded_model(os.path.join(path, SHARDED))
+    return torch.load(os.path.join(path, "model.pt"), map_location="cpu", weights_only=True)
+
+
 def load(path: str, map_location="cpu") -> Checkpoint:
-    """Read a checkpoint folder (as returned by find_latest) with weights_only=True."""
-    model_state = torch.load(
-        os.path.join(path, "model.pt"), map_location=map_location, weights_only=True
-    )
+    """Read a checkpoint folder (as returned by find_latest) with weights_only=True; a
+    sharded one's weights are left where they are (`model_state` None)."""
+    model_state = None
+    if not is_sharded(path):
+        model_state = torch.load(
+            os.path.join(path, "model.pt"), map_location=map_location, weights_only=True
+        )
     trainer_state = torch.load(
         os.path.join(path, "trainer.pt"), map_location=map_location, weights_only=True
     )

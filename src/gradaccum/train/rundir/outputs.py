@@ -179,10 +179,9 @@ class Outputs:
         in the KeyboardInterrupt's text."""
         if step == self.last_saved:
             return
-        if self.config.shards_model:  # every rank joins the gather of the sharded state
-            contents = _gathered(contents)
         failed = None
-        if self.is_main and step != self.saved_step:  # not already written as a new best
+        writes = self.is_main or self.config.shards_model  # a sharded model: each its shards
+        if writes and step != self.saved_step:  # not already written as a new best
             failed = self._write(step, contents, model_config)
         # Rank 0 writes; every rank learns whether it could, so all stop together or none.
         if collectives.max_over_ranks(int(failed is not None)):
@@ -213,41 +212,42 @@ class Outputs:
         the best and its step's checkpoint written now, a save step or not, its trainer state
         (`contents()`) naming it. The other ranks do not evaluate: they wait in the next
         window's collectives, and a `save` of the same step only joins them; with a sharded
-        model they evaluate too and join the gather here. False when it could not be written
-        (said through `note`): the best stays the previous one."""
-        if self.config.shards_model:
-            contents = _gathered(contents)
-            if not self.is_main:
-                return True
+        model they evaluate too and write their shards here, and learn whether rank 0 could
+        write the rest. False when it could not be written (said through `note`): the best
+        stays the previous one."""
         previous, self.best = self.best, best
         failed = self._write(best.step, contents, model_config)
+        if self.config.shards_model and collectives.max_over_ranks(int(failed is not None)):
+            failed = failed or OSError("not written on rank 0")  # every rank as rank 0
         if failed is not None:
             self.best = previous
-            note(f"checkpoint at step {best.step} not written ({_reason(failed)}); {self._older()}")
+            if self.is_main:
+                note(f"checkpoint at step {best.step} not written ({_reason(failed)}); "
+                     f"{self._older()}")  # fmt: skip
             return False
+        self.saved_step = best.step
         return True
 
     def _write(self, step: int, contents, model_config: dict) -> OSError | DiskFull | None:
-        """Rank 0's write of checkpoint `step`, pruning all but the newest --keep-checkpoints
+        """Rank 0's write of checkpoint `step` (every rank's, of a sharded model: each writes
+        its shards, `checkpoint.save_sharded`), pruning all but the newest --keep-checkpoints
         and the best; the error that stopped it (a full disk is DiskFull), None once written."""
+        config = self.config
+        keep, best = config.keep_checkpoints, self.best.step if config.save_best else None
         try:
             model_state, trainer_state = contents()
+            if config.shards_model:
+                checkpoint.save_sharded(config.out, step, model_state, model_config,
+                                        trainer_state, config.to_dict(), keep, best,
+                                        self.is_main)  # fmt: skip
+                return None
             model_state = adapters.checkpoint_state(model_state, model_config)  # LoRA
-            checkpoint.save(
-                self.config.out,
-                step,
-                model_state,
-                model_config,
-                trainer_state,
-                run_config=self.config.to_dict(),
-                keep=self.config.keep_checkpoints,
-                best=self.best.step if self.config.save_best else None,
-            )
+            checkpoint.save(config.out, step, model_state, model_config, trainer_state,
+                            config.to_dict(), keep, best)  # fmt: skip
         except KeyboardInterrupt:
             raise self._interrupted_save(step) from None
         except (OSError, DiskFull) as err:
             return err
-        self.saved_step = step
         return None
 
     def _interrupted_save(self, step: int) -> KeyboardInterrupt:
@@ -365,13 +365,6 @@ def micro_batch_note(micro_batch: int) -> str:
         f"this run settled it at {micro_batch}; a run from this file measures it again, "
         f"micro_batch: {micro_batch} pins it"
     )
-
-
-def _gathered(contents: Callable[[], tuple[dict, dict]]) -> Callable[[], tuple[dict, dict]]:
-    """`contents` called now (a sharded model's: a collective every rank joins), returned
-    as a callable for rank 0's write."""
-    made = contents()
-    return lambda: made
 
 
 def _reason(err: OSError | DiskFull) -> str:

@@ -8,13 +8,17 @@ growth, tokens seen), the LR schedule, the run's progress (`RunState`: seconds, 
 --save-best's best so far (`best.Best`: step, eval loss, eval set) and a mixture of experts'
 balance (its mode and the previous window's f, `train.moe`); with them the RNG states, the
 settings and how many metrics.jsonl lines the checkpoint saw. A model sharded with FSDP2
-(--sync micro, hsdp) saves the optimizer's state whole, as an unsharded run's, so that
-either kind of run resumes from either's checkpoint. Only tensors and plain
-containers, so it loads with torch.load(weights_only=True).
+(--sync micro, hsdp) keeps the optimizer's tensors out of it: they and the weights are
+each rank's shards, keyed by parameter name (`sharded_contents`, written through
+torch.distributed.checkpoint), and trainer.pt holds the optimizer's param_groups alone. Any
+run resumes from either kind of checkpoint: a sharded one resharded to the run's layout
+(`sharding.load_sharded`), a whole one (format 1, or an unsharded run's) as before. Only
+tensors and plain containers, so it loads with torch.load(weights_only=True).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
@@ -26,12 +30,6 @@ from gradaccum.utils.errors import BadInput
 
 if TYPE_CHECKING:
     from gradaccum.train.loop import Run
-
-
-FORMAT = 2
-"""trainer.pt's format: 2 adds `format` and the task's own state (`task`); a checkpoint
-without `format` is 1, written before the task protocol, and resumes as it is (no task
-state)."""
 
 
 @dataclass
@@ -59,7 +57,6 @@ def trainer_state(run: Run) -> dict:
     """The payload of a checkpoint of `run` after its `acc.steps` optimizer steps."""
     batch = run.batch.state_dict()
     payload = {
-        "format": FORMAT,
         "step": run.acc.steps,
         "optimizer": optimizer_state(run),
         "scheduler": run.scheduler.state_dict(),
@@ -83,21 +80,28 @@ def trainer_state(run: Run) -> dict:
 
 def checkpoint_contents(run: Run) -> tuple[dict, dict]:
     """What a checkpoint of the run as it stands holds: (model state_dict, trainer state);
-    a sharded model's gathered whole by every rank, kept by rank 0."""
+    a sharded model's: (each rank's own shards, the trainer state on rank 0,
+    `sharded_contents`)."""
     if run.sharded:
-        model_state = sharding.full_state(run.model, run.is_main)
-        if not run.is_main:  # joins the optimizer state's gather; rank 0 writes
-            return model_state, {"optimizer": optimizer_state(run)}
-        return model_state, trainer_state(run)
+        return sharded_contents(run)
     return unwrapped(run.model).state_dict(), trainer_state(run)
 
 
 def optimizer_state(run: Run) -> dict:
-    """The optimizer's state as an unsharded run's optimizer holds it: a sharded model's
-    gathered whole by every rank (`sharding.full_optimizer_state`), kept by rank 0."""
+    """The optimizer's state as an unsharded run's optimizer holds it; for a sharded model
+    its param_groups alone (the hyperparameters: its tensors are in the shards,
+    `sharded_contents`)."""
     if run.sharded:
-        return sharding.full_optimizer_state(run.optimizer, run.is_main)
+        return {"param_groups": run.optimizer.state_dict()["param_groups"]}
     return run.optimizer.state_dict()
+
+
+def sharded_contents(run: Run) -> tuple[dict, dict | None]:
+    """What a checkpoint of a sharded `run` holds: (this rank's shards of the model's and the
+    optimizer's state, `sharding.sharded_state`; the trainer state on rank 0, None on the
+    others). Nothing is gathered."""
+    shards = sharding.sharded_state(run.model, run.optimizer)
+    return shards, trainer_state(run) if run.is_main else None
 
 
 def restore(run: Run, payload: dict) -> list[str]:
@@ -106,11 +110,14 @@ def restore(run: Run, payload: dict) -> list[str]:
     that say what else changed (a best checkpoint looked for anew, a mixture of experts'
     balance mode)."""
     config, optimizer, scheduler = run.config, run.optimizer, run.scheduler
-    if payload.get("format", 1) > FORMAT:
+    if payload.get(checkpoint.FORMAT_KEY, 1) > checkpoint.FORMAT:
         raise BadInput("--resume", config.out, f"its checkpoint is of format "
-                       f"{payload['format']}, newer than this gradaccum's {FORMAT}: upgrade "
-                       "gradaccum to resume it")  # fmt: skip
-    if run.sharded:  # each tensor laid out as its parameter
+                       f"{payload[checkpoint.FORMAT_KEY]}, newer than this gradaccum's "
+                       f"{checkpoint.FORMAT}: upgrade gradaccum to resume it")  # fmt: skip
+    folder = checkpoint.folder_of(config.out, payload["step"])
+    if checkpoint.is_sharded(folder):  # weights and optimizer resharded to the run's layout
+        sharding.load_sharded(run.model, optimizer, os.path.join(folder, checkpoint.SHARDED))
+    elif run.sharded:  # each tensor laid out as its parameter
         sharding.load_optimizer_state(optimizer, payload["optimizer"])
     else:
         optimizer.load_state_dict(payload["optimizer"])
