@@ -247,7 +247,7 @@ def _read_hf(spec: str, split: str) -> list[Row]:
 
 def _read_saved(folder: str, split: str, task: str) -> list[Row]:
     """A save_to_disk folder's rows: a Dataset's, or split `split` of a DatasetDict's."""
-    problem = folder_problem(folder, task)
+    problem = folder_problem(folder, task, reads_rows=True)
     if problem is not None:
         raise BadInput(problem)
     ds = load_saved(folder, split, f"--data {folder}")
