@@ -31,10 +31,10 @@ import sys
 import tempfile
 import time
 
-from gradaccum.plan.sizes import parse_count
 from gradaccum.train.loop import TrainConfig, train
 from gradaccum.train.rundir.metrics import read_metrics
 from gradaccum.utils.atomic import exit_on_disk_full, write_atomic, write_text_atomic
+from gradaccum.utils.sizes import parse_count
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -28,8 +28,8 @@ from gradaccum.engine.precision import autocast_dtype
 from gradaccum.models.build import build_model
 from gradaccum.models.loss import causal_lm_loss
 from gradaccum.parallel import devices
-from gradaccum.plan.sizes import parse_count
 from gradaccum.utils.atomic import exit_on_disk_full, write_text_atomic
+from gradaccum.utils.sizes import parse_count
 
 VOCAB = 50257
 

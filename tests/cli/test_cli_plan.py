@@ -144,7 +144,7 @@ def test_subprocess_no_traceback_and_no_torch():
         "'4096', '--gpus', '8', '--device-memory', '80GB', '--zero', '3', '--flash-attention', "
         "'--checkpointing', 'full', '--json'])\n"
         "assert 'torch' not in sys.modules, 'gradaccum plan imported torch'\n"
-        "import gradaccum.plan, gradaccum.plan.memory, gradaccum.plan.sizes, gradaccum.plan.presets\n"
+        "import gradaccum.plan, gradaccum.plan.memory, gradaccum.utils.sizes, gradaccum.plan.presets\n"
         "assert 'torch' not in sys.modules\n"
         "sys.exit(code)\n"
     )

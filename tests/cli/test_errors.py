@@ -29,8 +29,8 @@ def test_every_part_raises_the_one_type():
     from gradaccum.data.tokens import load_tokens
     from gradaccum.models.build import build_model
     from gradaccum.plan import PlanError, PlanInputs
-    from gradaccum.plan.sizes import parse_count
     from gradaccum.train.config import TrainConfig
+    from gradaccum.utils.sizes import parse_count
 
     assert PlanError is BadInput
     cases = [

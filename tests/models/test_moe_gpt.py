@@ -11,8 +11,8 @@ import torch
 
 from gradaccum.models.build import build_model, gpt_info
 from gradaccum.models.checkpointing import first_block
+from gradaccum.models.experts import MoE
 from gradaccum.models.gpt import GPT, MLP, GPTConfig
-from gradaccum.moe.layer import MoE
 from gradaccum.utils.choices import BUILTIN_MODELS, MOE_BALANCES
 
 from .moe_reference import moe_gpt

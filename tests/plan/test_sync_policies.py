@@ -7,8 +7,8 @@ import pytest
 
 from gradaccum.cli import main
 from gradaccum.plan import PlanError, PlanInputs, make_plan, render_table
-from gradaccum.plan.sizes import parse_bandwidth
 from gradaccum.plan.sync import PolicyCost, choose
+from gradaccum.utils.sizes import parse_bandwidth
 
 P7 = 6_738_415_616  # Llama 2 7B
 G7 = 4 * P7  # its fp32 gradient, bytes

@@ -9,9 +9,9 @@ import pytest
 
 from gradaccum.cli import main
 from gradaccum.data.corpus import MarkovCorpus
-from gradaccum.plan.sizes import fmt_count
 from gradaccum.train.loop import TrainConfig, train
 from gradaccum.train.rundir.metrics import read_metrics
+from gradaccum.utils.sizes import fmt_count
 
 
 @pytest.fixture(scope="module")

@@ -66,8 +66,8 @@ from gradaccum.fit.search import (
 from gradaccum.models.checkpointing import checkpointing_enabled, first_block, set_checkpointing
 from gradaccum.models.optimizer import adamw
 from gradaccum.parallel import collectives, devices
-from gradaccum.plan.sizes import fmt_bytes, fmt_int
 from gradaccum.utils.errors import BadInput
+from gradaccum.utils.sizes import fmt_bytes, fmt_int
 
 __all__ = ["BATCH_TOLERANCE", "FitResult", "choose", "find_micro_batch", "largest_fitting"]
 __all__ += ["choice_notes", "measure_step", "render_table", "to_time"]

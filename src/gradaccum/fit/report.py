@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from gradaccum.fit.search import EXACT, MAX_NOISE
-from gradaccum.plan.sizes import fmt_bytes, fmt_int
+from gradaccum.utils.sizes import fmt_bytes, fmt_int
 
 if TYPE_CHECKING:
     from gradaccum.fit.result import FitResult

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gradaccum.plan.sizes import parse_bytes
 from gradaccum.settings.field import setting
 from gradaccum.utils.errors import BadInput
+from gradaccum.utils.sizes import parse_bytes
 
 MAX_TOLERANCE = 0.5
 """The most --batch-tolerance takes: a batch half again or half the target is another recipe."""

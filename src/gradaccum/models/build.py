@@ -153,7 +153,7 @@ def _load_state_dict(directory: str) -> dict:
             ) from None
         state = load_file(st_path)
     elif os.path.isdir(os.path.join(directory, "sharded")):  # a sharded run's checkpoint
-        from gradaccum.parallel.sharding import read_sharded_model
+        from gradaccum.models.sharded_state import read_sharded_model
 
         state = read_sharded_model(os.path.join(directory, "sharded"))
     elif os.path.exists(pt_path):

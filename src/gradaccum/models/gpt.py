@@ -12,7 +12,7 @@ count is
     V*C + T*C + L*(12*C*C + 13*C) + 2*C        (V vocab, T seq_len, L layers, C width)
 
 with the tied head counted once. With `n_expert` E > 0 every block's MLP is a mixture of E
-such MLPs with a bias-free router (`gradaccum.moe.layer`, top-`expert_top_k` routing), and
+such MLPs with a bias-free router (`gradaccum.models.experts`, top-`expert_top_k` routing), and
 the count is
 
     V*C + T*C + L*(4*C*C + 8*C + E*C + E*(8*C*C + 5*C)) + 2*C
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from gradaccum.models.document_mask import block_causal_mask, positions_from_documents
-from gradaccum.moe.layer import MoE, MoEOutput
+from gradaccum.models.experts import MoE, MoEOutput
 
 # The `model_type` written into config.json for this GPT, so a checkpoint folder says which
 # kind of model it holds (Hugging Face configs carry their own model_type).

@@ -31,8 +31,8 @@ try:
 except ImportError:  # a torch without FSDP2
     FSDPModule = None
 
+from gradaccum.models.experts import router_probs
 from gradaccum.models.loss import _unwrapped, logits_of, packed_inputs
-from gradaccum.moe.layer import router_probs
 
 
 @dataclass(frozen=True)

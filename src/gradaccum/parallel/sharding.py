@@ -17,18 +17,22 @@ optimizer's state keyed by parameter name, each rank holding its own shards
 `dcp.save`, every rank its own files. `load_sharded` reads such a folder into any run's model
 and optimizer, laid out as they are now (another number of ranks, another sync policy, a
 plain model on one process: dcp reads each rank's part of every tensor from the shards that
-hold it), and `read_sharded_model` reads the model's tensors whole into one process.
+hold it), and `read_sharded_model` (`gradaccum.models.sharded_state`'s) reads the model's tensors
+whole into one process.
 """
 
 from __future__ import annotations
 
 import os
-import warnings
-from contextlib import contextmanager
 
 import torch
 
 from gradaccum.models.checkpointing import outer_lists
+from gradaccum.models.sharded_state import (
+    SHARDED_MODEL,
+    SHARDED_OPTIMIZER,
+    alone_is_meant,
+)
 
 MESH_NAMES = ("replicate", "shard")
 """The dimensions of an HSDP mesh, the replica one first."""
@@ -128,10 +132,6 @@ def _laid_out(value, param: torch.Tensor):
     return distribute_tensor(value.to(param.device), param.device_mesh, param.placements)
 
 
-SHARDED_MODEL, SHARDED_OPTIMIZER = "model", "optimizer"
-"""The two parts of a sharded state (`sharded_state`): the keys dcp's files are under."""
-
-
 def _options(model: torch.nn.Module):
     """get_state_dict's options for `model`: a frozen base (LoRA) is left out, rebuilt by the
     run that loads it, as an unsharded checkpoint leaves it out."""
@@ -171,7 +171,7 @@ def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folde
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     state = sharded_state(model, optimizer)  # the layout to read into
-    with _alone_is_meant():
+    with alone_is_meant():
         dcp.load(state, checkpoint_id=folder)
     set_state_dict(
         model,
@@ -180,29 +180,3 @@ def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folde
         optim_state_dict=state[SHARDED_OPTIMIZER],
         options=_options(model),
     )
-
-
-def read_sharded_model(folder: str) -> dict:
-    """The model's tensors of a folder of `save_sharded`, whole, on the CPU, read by this
-    process alone (no collective): a plain state_dict, as model.pt holds one."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    reader = dcp.FileSystemReader(folder)
-    prefix = SHARDED_MODEL + "."
-    state = {
-        key: torch.empty(meta.size, dtype=meta.properties.dtype)
-        for key, meta in reader.read_metadata().state_dict_metadata.items()
-        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
-    }
-    with _alone_is_meant():
-        dcp.load(state, storage_reader=reader, no_dist=True)
-    return {key.removeprefix(prefix): value for key, value in state.items()}
-
-
-@contextmanager
-def _alone_is_meant():
-    """dcp's warning that it loads in one process left out: here that is what is meant."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield

@@ -12,8 +12,8 @@ from dataclasses import dataclass, replace
 
 from gradaccum.plan import memory as mem
 from gradaccum.plan.inputs import PlanInputs, show_value
-from gradaccum.plan.sizes import fmt_int
 from gradaccum.utils.errors import BadInput
+from gradaccum.utils.sizes import fmt_int
 
 _SEARCH = 65536  # micro-batches tried, from the top down, when looking for the best landing
 

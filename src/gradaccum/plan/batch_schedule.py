@@ -17,8 +17,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from gradaccum.plan.sizes import fmt_count_exact, parse_count
 from gradaccum.utils.errors import BadInput
+from gradaccum.utils.sizes import fmt_count_exact, parse_count
 
 LR_RULES = ("none", "linear", "sqrt")
 

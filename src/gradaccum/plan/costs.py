@@ -19,7 +19,7 @@ from gradaccum.plan.inputs import PlanInputs
 from gradaccum.plan.quantized import QuantizedBase, held_in_fp32
 from gradaccum.plan.result import MemoryReport
 from gradaccum.plan.schedule_plan import SchedulePlan, plan_schedule
-from gradaccum.plan.sizes import fmt_bytes, fmt_int
+from gradaccum.utils.sizes import fmt_bytes, fmt_int
 
 
 def _gb(n_bytes: int | None) -> float | None:

@@ -19,10 +19,10 @@ from gradaccum.plan.settings import (
     PlanTargetSettings,
     PlanTimeSettings,
 )
-from gradaccum.plan.sizes import fmt_count_exact
 from gradaccum.plan.sync import default_gpus_per_node
 from gradaccum.utils.choices import PRECISIONS, SYNC_CHOICES
 from gradaccum.utils.errors import BadInput, flag_name
+from gradaccum.utils.sizes import fmt_count_exact
 
 _COUNTS = (
     "target_tokens target_sequences accum_steps seq_len micro_batch micro_tokens gpus steps "

@@ -21,9 +21,9 @@ from gradaccum.plan.inputs import PlanInputs, show_value
 from gradaccum.plan.presets import ModelShape, custom, preset
 from gradaccum.plan.quantized import QuantizedBase, quantized_base, stored_base
 from gradaccum.plan.result import Plan
-from gradaccum.plan.sizes import fmt_int
 from gradaccum.plan.sync import INTER_NODE_BW, INTRA_NODE_BW, Mesh, policy_setup, sync_plan
 from gradaccum.utils.errors import BadInput
+from gradaccum.utils.sizes import fmt_int
 
 
 def _model(i: PlanInputs) -> tuple[ModelShape | None, int | None]:

@@ -6,14 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gradaccum.plan.memory import CHECKPOINTING, OPTIMIZERS
-from gradaccum.plan.sizes import (
+from gradaccum.settings.field import setting
+from gradaccum.utils.sizes import (
     parse_bandwidth,
     parse_bytes,
     parse_count,
     parse_float,
     parse_seconds,
 )
-from gradaccum.settings.field import setting
 
 
 def _count(value, flag: str) -> int:

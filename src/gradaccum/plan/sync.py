@@ -35,8 +35,8 @@ from dataclasses import dataclass, replace
 from fractions import Fraction
 
 from gradaccum.plan import memory as mem
-from gradaccum.plan.sizes import fmt_bandwidth, fmt_bytes, fmt_seconds
 from gradaccum.utils.choices import SYNC_POLICIES
+from gradaccum.utils.sizes import fmt_bandwidth, fmt_bytes, fmt_seconds
 
 POLICIES = SYNC_POLICIES
 GPUS_PER_NODE = 8

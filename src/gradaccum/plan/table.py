@@ -11,8 +11,8 @@ from rich.table import Table
 from rich.text import Text
 
 from gradaccum.plan.quantized import held_in_fp32
-from gradaccum.plan.sizes import fmt_bytes, fmt_count, fmt_int, fmt_seconds
 from gradaccum.plan.sync import INTER_NODE_BW, INTRA_NODE_BW, mesh_words
+from gradaccum.utils.sizes import fmt_bytes, fmt_count, fmt_int, fmt_seconds
 
 _LR_RULE = {"none": "unchanged", "linear": "x c", "sqrt": "x sqrt(c)"}
 _PHASE_ROWS = 15  # more phases (a long ramp) show the first and last few and one row between

@@ -109,7 +109,7 @@ def _whole(flag: str, value) -> int:
     if isinstance(value, int):
         return value
     # here, not at the top: gradaccum.plan's own settings are read by this module
-    from gradaccum.plan.sizes import parse_count
+    from gradaccum.utils.sizes import parse_count
 
     return parse_count(str(value), flag, allow_zero=True)
 

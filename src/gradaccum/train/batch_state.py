@@ -19,10 +19,10 @@ the checkpoint's plan and the summary of the window just trained keep the k it h
 
 from __future__ import annotations
 
-from gradaccum.plan.sizes import fmt_count
 from gradaccum.train.batching import Fixed, Layout, make_policy, token_schedule
 from gradaccum.train.config import TrainConfig
 from gradaccum.train.schedule import Schedule
+from gradaccum.utils.sizes import fmt_count
 
 
 def smaller_micro_batch(micro_batch: int) -> int | None:

@@ -76,6 +76,8 @@ def resumed(config: TrainConfig, rank_info: RankInfo) -> Built:
     model, model_info = parts.checkpoint_model(config, data.info, ckpt.path, rank_info.device)
     notes = resume.check_data(config, ckpt, data.info)
     plan_config = task.resume_plan_config(data, ckpt)
+    if plan_config is None:  # the checkpoint's batch
+        plan_config = resume.batch_config(config, ckpt, rank_info.world_size)
     resolved = resolve_run(config, plan_config, model_info, rank_info, task.epoch_tokens(data))
     batch = BatchState.planned(config, resolved, rank_info.world_size)
     schedule, length_notes = resume.lr_schedule(config, ckpt, resolved, batch)

@@ -23,11 +23,11 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from gradaccum.data.sft.examples import Example
-from gradaccum.plan.sizes import fmt_count, fmt_int
 from gradaccum.plan.table import flops_text, memory_rows, render_rows
 from gradaccum.train import sft
 from gradaccum.train.config import TrainConfig
 from gradaccum.train.settings import optimizer_defaults
+from gradaccum.utils.sizes import fmt_count, fmt_int
 
 SAMPLE = 64
 """Windows at the start of the run the plan cuts as the run will (at least the first 20

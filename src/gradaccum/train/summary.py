@@ -6,19 +6,51 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from gradaccum.parallel import sharding
-from gradaccum.plan.sizes import fmt_count
 from gradaccum.train import adapters, moe, parts
 from gradaccum.train.rundir.best import BEST_FOLDER
 from gradaccum.train.rundir.metrics import plot_loss, read_metrics
 from gradaccum.train.rundir.outputs import Outputs
 from gradaccum.train.settings import optimizer_defaults
 from gradaccum.utils.errors import DiskFull
+from gradaccum.utils.sizes import fmt_count
 
 if TYPE_CHECKING:
-    from gradaccum.train.loop import Run
+    import torch
+
+    from gradaccum.engine.accumulator import Accumulator
+    from gradaccum.models.info import ModelInfo
+    from gradaccum.parallel.process_group import RankInfo
+    from gradaccum.train.batch_state import BatchState
+    from gradaccum.train.config import TrainConfig
+    from gradaccum.train.console import Clock, Console
+    from gradaccum.train.moe import MoETraining
+    from gradaccum.train.rundir.payload import RunState
+    from gradaccum.train.tasks import Task, TaskData
+
+
+class Reported(Protocol):
+    """What the opening lines and the end of a run read of it (`train.loop.Run` is one)."""
+
+    config: TrainConfig
+    rank_info: RankInfo
+    device: torch.device
+    console: Console
+    clock: Clock
+    model: torch.nn.Module
+    model_info: ModelInfo
+    data: TaskData
+    task: Task
+    acc: Accumulator
+    batch: BatchState
+    outputs: Outputs
+    state: RunState
+    moe: MoETraining | None
+    sharded: bool
+    """The model is sharded with FSDP2 (--sync micro or hsdp)."""
+    is_main: bool
 
 
 def sync_line(sync: str, world: int) -> str:
@@ -35,7 +67,7 @@ def sync_line(sync: str, world: int) -> str:
     )
 
 
-def opening_lines(run: Run, table: str, length: str) -> list[str]:
+def opening_lines(run: Reported, table: str, length: str) -> list[str]:
     """The plan's `table` (the task's, or the batch's), the run's `length` line, the model,
     the data, the device and where the run starts (the step a resume continues from)."""
     config, model_info, device = run.config, run.model_info, run.device
@@ -149,7 +181,7 @@ def critical_batch_line(noise, tokens_per_step: int) -> str | None:
     )
 
 
-def best_line(run: Run, exported: bool) -> str | None:
+def best_line(run: Reported, exported: bool) -> str | None:
     """With --save-best: the best step, its eval loss and where its model is (`exported` as
     best/, else its checkpoint); None without --save-best."""
     config, best = run.config, run.outputs.best
@@ -166,7 +198,7 @@ def best_line(run: Run, exported: bool) -> str | None:
     )
 
 
-def summary(run: Run, records: list[dict], stopped: str | None, wall_s: float) -> dict:
+def summary(run: Reported, records: list[dict], stopped: str | None, wall_s: float) -> dict:
     """The --json object of `run` after its `acc.steps` optimizer steps, `stopped` by what
     (None: finished); `records`: metrics.jsonl's. Losses are nats per token: initial_loss of
     the run's first window, final_loss of its last, final_eval_loss on the held-out split.
@@ -214,7 +246,7 @@ def summary(run: Run, records: list[dict], stopped: str | None, wall_s: float) -
     }
 
 
-def finish(run: Run, stopped: str | None) -> dict:
+def finish(run: Reported, stopped: str | None) -> dict:
     """Export the model (a finished run only), plot the losses, return the summary, with
     the files written (`files`) and those not, and why (`not_written`). No room for the
     export ends the run in one line (RunFailed) naming the checkpoint still there."""

@@ -33,8 +33,8 @@ from gradaccum.models.build import build_model
 from gradaccum.models.optimizer import adamw
 from gradaccum.models.quantized import stored_bytes
 from gradaccum.parallel import devices
-from gradaccum.plan.sizes import fmt_count, fmt_seconds
 from gradaccum.utils.errors import first_line
+from gradaccum.utils.sizes import fmt_count, fmt_seconds
 
 VOCAB = 256
 """Vocabulary of the built-in GPT here: the data are random ids, no tokenizer involved."""

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from gradaccum.models.sharded_state import read_sharded_model
 from gradaccum.parallel import collectives, sharding
 from gradaccum.utils.atomic import (
     fsync_dir,
@@ -421,7 +422,7 @@ def read_model_state(path: str) -> dict:
     """The model's state_dict of checkpoint folder `path`, whole, on the CPU: model.pt, or
     for a sharded checkpoint its shards read by this process alone."""
     if is_sharded(path):
-        return sharding.read_sharded_model(os.path.join(path, SHARDED))
+        return read_sharded_model(os.path.join(path, SHARDED))
     return torch.load(os.path.join(path, "model.pt"), map_location="cpu", weights_only=True)
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from gradaccum.parallel import sharding
 from gradaccum.train.moe import STATE_KEY as MOE_STATE
@@ -29,7 +29,37 @@ from gradaccum.train.rundir import best, checkpoint
 from gradaccum.utils.errors import BadInput
 
 if TYPE_CHECKING:
-    from gradaccum.train.loop import Run
+    import torch
+
+    from gradaccum.engine.accumulator import Accumulator
+    from gradaccum.train.batch_state import BatchState
+    from gradaccum.train.config import TrainConfig
+    from gradaccum.train.moe import MoETraining
+    from gradaccum.train.rundir.outputs import Outputs
+    from gradaccum.train.schedule import Schedule
+    from gradaccum.train.tasks import Stream, Task, TaskData
+
+
+class Checkpointed(Protocol):
+    """What a checkpoint saves of a run and a resume puts back into it (`train.loop.Run` is
+    one): its parts, each saving and loading itself."""
+
+    config: TrainConfig
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    acc: Accumulator
+    batches: Stream
+    data: TaskData
+    batch: BatchState
+    schedule: Schedule
+    outputs: Outputs
+    state: RunState
+    task: Task
+    moe: MoETraining | None
+    sharded: bool
+    """The model is sharded with FSDP2 (--sync micro or hsdp)."""
+    is_main: bool
 
 
 @dataclass
@@ -53,7 +83,7 @@ class RunState:
             setattr(self, name, value)
 
 
-def trainer_state(run: Run) -> dict:
+def trainer_state(run: Checkpointed) -> dict:
     """The payload of a checkpoint of `run` after its `acc.steps` optimizer steps."""
     batch = run.batch.state_dict()
     payload = {
@@ -78,7 +108,7 @@ def trainer_state(run: Run) -> dict:
     return payload
 
 
-def checkpoint_contents(run: Run) -> tuple[dict, dict]:
+def checkpoint_contents(run: Checkpointed) -> tuple[dict, dict]:
     """What a checkpoint of the run as it stands holds: (model state_dict, trainer state);
     a sharded model's: (each rank's own shards, the trainer state on rank 0,
     `sharded_contents`)."""
@@ -87,7 +117,7 @@ def checkpoint_contents(run: Run) -> tuple[dict, dict]:
     return unwrapped(run.model).state_dict(), trainer_state(run)
 
 
-def optimizer_state(run: Run) -> dict:
+def optimizer_state(run: Checkpointed) -> dict:
     """The optimizer's state as an unsharded run's optimizer holds it; for a sharded model
     its param_groups alone (the hyperparameters: its tensors are in the shards,
     `sharded_contents`)."""
@@ -96,7 +126,7 @@ def optimizer_state(run: Run) -> dict:
     return run.optimizer.state_dict()
 
 
-def sharded_contents(run: Run) -> tuple[dict, dict | None]:
+def sharded_contents(run: Checkpointed) -> tuple[dict, dict | None]:
     """What a checkpoint of a sharded `run` holds: (this rank's shards of the model's and the
     optimizer's state, `sharding.sharded_state`; the trainer state on rank 0, None on the
     others). Nothing is gathered."""
@@ -104,7 +134,7 @@ def sharded_contents(run: Run) -> tuple[dict, dict | None]:
     return shards, trainer_state(run) if run.is_main else None
 
 
-def restore(run: Run, payload: dict) -> list[str]:
+def restore(run: Checkpointed, payload: dict) -> list[str]:
     """Put `payload` back into `run`, built for it, with the settings of `run.config` where a
     resume changed them on purpose (lr, weight decay: `resume.applied_changes`); the lines
     that say what else changed (a best checkpoint looked for anew, a mixture of experts'

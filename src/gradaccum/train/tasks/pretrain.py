@@ -8,13 +8,13 @@ micro-batch per `next`, k of them a window), its loss the summed next-token cros
 from __future__ import annotations
 
 from gradaccum.data.batches import Batches
-from gradaccum.plan.sizes import fmt_count
 from gradaccum.train import micro_batch, parts
 from gradaccum.train.epochs import pretrain_epoch_tokens, pretrain_length_line
 from gradaccum.train.evaluation import EVAL_TOKENS, evaluate
 from gradaccum.train.tasks import language
 from gradaccum.train.tasks.protocol import TaskBase, TaskData
 from gradaccum.train.tasks.rules import PretrainRules
+from gradaccum.utils.sizes import fmt_count
 
 
 class Pretraining(TaskBase):

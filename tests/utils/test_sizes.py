@@ -2,7 +2,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gradaccum.plan.sizes import (
+from gradaccum.utils.errors import BadInput
+from gradaccum.utils.sizes import (
     fmt_count,
     fmt_count_exact,
     parse_bytes,
@@ -10,7 +11,6 @@ from gradaccum.plan.sizes import (
     parse_float,
     parse_seconds,
 )
-from gradaccum.utils.errors import BadInput
 
 
 @pytest.mark.parametrize(

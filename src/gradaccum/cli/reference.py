@@ -1,7 +1,7 @@
 """The CLI reference (docs/cli.md), generated from the settings components: every command, a
 table per component of its flags, defaults and descriptions.
 
-    python -m gradaccum.settings.reference > docs/cli.md
+    python -m gradaccum.cli.reference > docs/cli.md
 
 A test fails when the committed page differs from what this prints.
 """
@@ -17,7 +17,7 @@ from gradaccum.utils.errors import flag_name
 
 HEADER = """# CLI reference
 
-Generated from the settings components by `python -m gradaccum.settings.reference`; do not
+Generated from the settings components by `python -m gradaccum.cli.reference`; do not
 edit by hand. Every command also takes `--config FILE` (YAML, TOML or JSON: the flag names
 as keys, flat or under the section named beside each group; the command line wins) and
 `--help`. Sizes take 4M = 4,000,000, 4Mi = 4,194,304, 262k, 7B; memory 80GB or 80GiB;

@@ -3,7 +3,7 @@ regenerating the page fails here."""
 
 import os
 
-from gradaccum.settings.reference import render
+from gradaccum.cli.reference import render
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -11,7 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_the_committed_cli_reference_is_the_generated_one():
     with open(os.path.join(ROOT, "docs", "cli.md")) as f:
         committed = f.read()
-    assert committed == render(), "run: python -m gradaccum.settings.reference > docs/cli.md"
+    assert committed == render(), "run: python -m gradaccum.cli.reference > docs/cli.md"
 
 
 def test_the_reference_lists_every_flag_of_every_command():
