@@ -25,7 +25,6 @@ def _refused(capsys, tmp_path, *argv) -> str:
 @pytest.mark.parametrize(
     "argv, start",
     [
-        (["--sync", "auto"], "--sync auto: the planner's choice"),
         (["--sync", "micro"], "--sync micro: one process has no ranks to sync"),
         (["--sync", "hsdp"], "--sync hsdp: one process has no ranks to sync"),
         (["--sync", "micro", "--task", "grpo"], "--task grpo: with --sync micro: each rank"),

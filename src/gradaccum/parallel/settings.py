@@ -24,7 +24,8 @@ class ParallelSettings:
     reduce-scatter into an fp32 shard after every micro-batch; train: the model sharded by
     FSDP2), hsdp (a 2-D mesh of replicas x shards: a reduce-scatter within the shard group
     after every micro-batch, one all-reduce across replicas per window; train: each node one
-    replica), auto (plan only: the fastest whose memory fits --device-memory)."""
+    replica), auto (the fastest whose memory fits: plan's --device-memory, train's device,
+    where its memory is known; train says which and why)."""
 
     @property
     def shards_model(self) -> bool:

@@ -59,7 +59,7 @@ def fresh(config: TrainConfig, rank_info: RankInfo) -> Built:
     resolved = resolve_run(config, plan_config, model_info, rank_info, task.epoch_tokens(data))
     batch = BatchState.planned(config, resolved, rank_info.world_size)
     schedule = batch.lr_schedule(config, resolved)
-    outputs = Outputs(config, rank_info)
+    outputs = Outputs(config, rank_info, resolved.shards_model)
     return Built(config, rank_info, console, task, data, model, model_info, resolved, batch,
                  schedule, outputs, [])  # fmt: skip
 
@@ -83,6 +83,6 @@ def resumed(config: TrainConfig, rank_info: RankInfo) -> Built:
     schedule, length_notes = resume.lr_schedule(config, ckpt, resolved, batch)
     notes += length_notes + resume.batch_lines(ckpt, batch)
     notes += resume.applied_changes(config, ckpt)
-    outputs = Outputs.resuming(config, rank_info, ckpt)
+    outputs = Outputs.resuming(config, rank_info, resolved.shards_model, ckpt)
     return Built(config, rank_info, console, task, data, model, model_info, resolved, batch,
                  schedule, outputs, notes, ckpt.trainer_state)  # fmt: skip

@@ -169,16 +169,10 @@ class TrainConfig(*reversed(COMPONENTS)):
             )
 
     def _check_sync(self) -> None:
-        """--sync: window, micro or hsdp (auto is the planner's); micro and hsdp shard the
-        model with FSDP2, which --task grpo (generation differs by rank), --base-bits (the
-        quantised weights are not sharded) and --compile are not run with."""
-        if self.sync == "auto":
-            raise BadInput(
-                "--sync",
-                "auto",
-                "the planner's choice: see it with gradaccum plan --sync auto, then give "
-                "window, micro or hsdp",
-            )
+        """--sync: window, micro, hsdp or auto (chosen once the run is planned,
+        `resolve.auto_sync`); micro and hsdp shard the model with FSDP2, which --task grpo
+        (generation differs by rank), --base-bits (the quantised weights are not sharded) and
+        --compile are not run with (auto then chooses window)."""
         if self.sync not in ("micro", "hsdp"):
             return
         for name, value, why in (

@@ -87,8 +87,8 @@ class Run:
         self.resolved, self.batch, self.schedule = built.resolved, built.batch, built.schedule
         self.outputs, self.notes = built.outputs, built.notes
         config = self.config
-        self.sharded = config.shards_model  # --sync micro or hsdp: FSDP2 on every rank
-        self.model = parts.place(built.model, config, self.rank_info)
+        self.sharded = self.resolved.shards_model  # micro or hsdp: FSDP2 on every rank
+        self.model = parts.place(built.model, config, self.rank_info, self.resolved.sync)
         self.moe = moe.make(config, self.model)  # None for a dense model
         self.task.begin(Begin(self.model, self.model_info, self.batch.total, self.moe is None,
                               self.data))  # fmt: skip
@@ -98,12 +98,12 @@ class Run:
         self.acc = Accumulator(self.model, self.optimizer, self.scheduler,
                                max_grad_norm=config.max_grad_norm or None,
                                precision=config.precision, noise_scale=config.noise_scale,
-                               sync=config.sync if self.sharded else "window",
+                               sync=self.resolved.sync,
                                count_tokens=self.task.count_tokens)  # fmt: skip
         self.batches = self.task.stream(self.data, self.batch.micro_batch)
         self.recovery = Recovery(self.acc, self.batches, self.batch, self.rank_info, self._shrunk,
                                  config.dist_timeout, self.objective.abandon,
-                                 config.sync if self.sharded else None)  # fmt: skip
+                                 self.resolved.sync if self.sharded else None)  # fmt: skip
         self.state = RunState()
         self.progress: Progress | None = None  # the bar or log lines, while the loop runs
         self.clock = Clock()

@@ -151,10 +151,12 @@ def checkpoint_model(
     return model, info
 
 
-def place(model: torch.nn.Module, config: TrainConfig, rank_info: RankInfo) -> torch.nn.Module:
+def place(
+    model: torch.nn.Module, config: TrainConfig, rank_info: RankInfo, sync: str
+) -> torch.nn.Module:
     """`model` on the rank's device with --activation-checkpointing and --compile, under DDP
-    when there are several ranks, or sharded with FSDP2 (`sharding.shard`) under --sync micro
-    or hsdp."""
+    when there are several ranks, or sharded with FSDP2 (`sharding.shard`) when the run's
+    `sync` (--sync, or auto's choice) is micro or hsdp."""
     device = rank_info.device
     model.to(device)
     if config.activation_checkpointing and not set_checkpointing(model, True):
@@ -164,9 +166,9 @@ def place(model: torch.nn.Module, config: TrainConfig, rank_info: RankInfo) -> t
             f"{type(model).__name__} cannot recompute its "
             "activations (no set_activation_checkpointing or gradient_checkpointing_enable)",
         )
-    if config.shards_model:
+    if sync in ("micro", "hsdp"):
         world = rank_info.world_size
-        return sharding.shard(model, sharding.mesh_of(config.sync, world, device))
+        return sharding.shard(model, sharding.mesh_of(sync, world, device))
     if config.compile:  # before DDP, so the engine still sees DDP and its no_sync
         model = torch.compile(model)
     if rank_info.world_size > 1:

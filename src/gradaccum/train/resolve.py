@@ -20,6 +20,7 @@ from gradaccum.plan import Plan, PlanInputs, make_plan, render_table
 from gradaccum.train import adapters, micro_batch
 from gradaccum.train.batching import targets
 from gradaccum.train.config import AUTO, TrainConfig
+from gradaccum.train.tasks import rules_of
 from gradaccum.utils.errors import BadInput
 
 MAX_ACCUM_STEPS = 65536
@@ -37,6 +38,16 @@ class Resolved:
     """The plan `gradaccum plan` would print for this run (memory estimate included)."""
     warmup_steps: int
     """Optimizer steps of LR warmup."""
+    sync: str = "window"
+    """How the ranks sync the window's gradient: window (DDP), micro or hsdp (the model
+    sharded by FSDP2): --sync, or the policy --sync auto chose."""
+    sync_why: str | None = None
+    """With --sync auto: why that policy, in words."""
+
+    @property
+    def shards_model(self) -> bool:
+        """The model is sharded with FSDP2 (micro or hsdp)."""
+        return self.sync in ("micro", "hsdp")
 
     @property
     def micro_batch(self) -> int:
@@ -147,8 +158,6 @@ def resolve_plan(
         base_bits=config.base_bits,  # QLoRA: the base's linear layers in 4 or 8 bits
         base_linear_weights=base_linears,
     )
-    if config.shards_model:  # FSDP2 shards parameters, gradients and optimizer state
-        base.update(sync=config.sync, zero=3, gpus_per_node=sharding.per_node(world_size))
     per_rank_seq = None if target is None else smallest // (seq_len * world_size)
     if target is not None and per_rank_seq < 1:
         raise _no_whole_sequence(config, flag, smallest, world_size)
@@ -171,7 +180,13 @@ def resolve_plan(
     batch = {"accum_steps": k} if k is not None else {"target_tokens": target}
     if batch_schedule is not None:
         batch = {"batch_schedule": batch_schedule, "lr_rule": config.lr_rule, "base_lr": config.lr}
-    plan = make_plan(PlanInputs(micro_batch=micro, **batch, **length, **base))
+    sizes = dict(micro_batch=micro, **batch, **length, **base)
+    sync, why = (config.sync or "window"), None
+    if config.sync == AUTO:
+        sync, why = auto_sync(config, world_size, device, sizes)
+    if sync in ("micro", "hsdp"):  # FSDP2 shards parameters, gradients and optimizer state
+        sizes.update(sync=sync, zero=3, gpus_per_node=sharding.per_node(world_size))
+    plan = make_plan(PlanInputs(**sizes))
     if plan.accum_steps > MAX_ACCUM_STEPS:
         raise BadInput(
             f"--tokens-per-step {plan.global_batch_tokens}: {plan.accum_steps:,} micro-batches "
@@ -181,7 +196,37 @@ def resolve_plan(
     steps = plan.steps
     if config.warmup_steps is not None and config.warmup_steps > steps:
         raise BadInput(f"--warmup-steps {config.warmup_steps}: longer than the run ({steps} steps)")
-    return Resolved(plan=plan, warmup_steps=config.warmup(steps))
+    return Resolved(plan=plan, warmup_steps=config.warmup(steps), sync=sync, sync_why=why)
+
+
+def auto_sync(config: TrainConfig, world: int, device: torch.device, sizes: dict):
+    """--sync auto: (the policy, why in words). The planner's choice (`gradaccum plan --sync
+    auto`: the fastest sync whose memory fits the device) among those this run can take;
+    window where nothing is to be sharded or chosen by (one process, a task, a 4- or 8-bit
+    base or --compile that is not sharded, a device whose memory is not known)."""
+    not_sharded = (
+        rules_of(config.task).not_sharded and f"--task {config.task} is not sharded",
+        config.base_bits and f"a base in {config.base_bits} bits is not sharded",
+        config.compile and "--compile runs on the model whole",
+    )
+    if world == 1:
+        return "window", "one process: no ranks to sync"
+    for why in not_sharded:
+        if why:
+            return "window", why
+    if sizes["device_memory"] is None:
+        return "window", (
+            f"the memory of a {device.type} device is not known, and window is the fastest "
+            "sync: nothing to shard for"
+        )
+    per_node = sharding.per_node(world)
+    plan = make_plan(PlanInputs(**sizes, sync=AUTO, gpus_per_node=per_node))
+    if plan.sync is None:  # a batch the planner does not cost the policies for
+        return "window", "the planner cannot compare the policies for this batch: window"
+    policy, why = plan.sync.policy, plan.sync.why
+    if policy == "hsdp" and sharding.hsdp_shape(world, per_node) is None:
+        return "micro", f"{why}; hsdp needs 2 ranks a node or more: micro"
+    return policy, why
 
 
 def base_linear_weights(model_info: ModelInfo) -> tuple[int, int] | None:

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from gradaccum.train.config import TrainConfig
     from gradaccum.train.console import Clock, Console
     from gradaccum.train.moe import MoETraining
+    from gradaccum.train.resolve import Resolved
     from gradaccum.train.rundir.payload import RunState
     from gradaccum.train.tasks import Task, TaskData
 
@@ -45,11 +46,12 @@ class Reported(Protocol):
     task: Task
     acc: Accumulator
     batch: BatchState
+    resolved: Resolved
     outputs: Outputs
     state: RunState
     moe: MoETraining | None
     sharded: bool
-    """The model is sharded with FSDP2 (--sync micro or hsdp)."""
+    """The model is sharded with FSDP2 (micro or hsdp)."""
     is_main: bool
 
 
@@ -86,8 +88,10 @@ def opening_lines(run: Reported, table: str, length: str) -> list[str]:
     lines[3:3] = pretrained_lines(config, model_info)
     if config.micro_batch == "auto" and not resumed:  # a resume keeps the one it trained with
         lines.append(auto_micro_batch_line(run.batch.micro_batch))
-    if run.sharded:  # --sync micro or hsdp
-        lines.append(sync_line(config.sync, run.rank_info.world_size))
+    if run.resolved.sync_why is not None:  # --sync auto
+        lines.append(f"sync   auto chose {run.resolved.sync}: {run.resolved.sync_why}")
+    if run.sharded:  # micro or hsdp
+        lines.append(sync_line(run.resolved.sync, run.rank_info.world_size))
     if device.type == "cpu" and config.precision != "fp32":
         lines.append(
             f"note: {config.precision} on CPU is usually several times slower than fp32 "
@@ -229,7 +233,7 @@ def summary(run: Reported, records: list[dict], stopped: str | None, wall_s: flo
         "micro_batch": batch.micro_batch,
         "accum_steps": batch.k,
         "world_size": batch.world_size,
-        "sync": run.config.sync or "window",
+        "sync": run.resolved.sync,
         "examples_per_step": config.target_examples_per_step,
         "batch_schedule": config.batch_schedule,
         "params": run.model_info.params,

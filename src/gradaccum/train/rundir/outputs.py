@@ -45,10 +45,12 @@ class Outputs:
         self,
         config: TrainConfig,
         rank_info: RankInfo,
+        sharded: bool = False,
         resumed_at: int | None = None,
         metrics_lines: int | None = None,
     ):
         self.config, self.rank_info = config, rank_info
+        self.sharded = sharded  # a model sharded with FSDP2: each rank writes its shards
         self.is_main = rank_info.rank == 0
         self.resumed_at, self._metrics_lines = resumed_at, metrics_lines
         self.lock = RunLock(config.out)
@@ -62,9 +64,9 @@ class Outputs:
         self.not_written: dict[str, str] = {}  # file -> why, for the closing line
 
     @classmethod
-    def resuming(cls, config: TrainConfig, rank_info: RankInfo, ckpt) -> Outputs:
+    def resuming(cls, config: TrainConfig, rank_info: RankInfo, sharded: bool, ckpt) -> Outputs:
         """The outputs of a run resumed from `ckpt` (a `checkpoint.Checkpoint`)."""
-        return cls(config, rank_info, ckpt.step, ckpt.trainer_state["metrics_lines"])
+        return cls(config, rank_info, sharded, ckpt.step, ckpt.trainer_state["metrics_lines"])
 
     # ---- open, close -------------------------------------------------------------------
 
@@ -180,7 +182,7 @@ class Outputs:
         if step == self.last_saved:
             return
         failed = None
-        writes = self.is_main or self.config.shards_model  # a sharded model: each its shards
+        writes = self.is_main or self.sharded  # a sharded model: each its shards
         if writes and step != self.saved_step:  # not already written as a new best
             failed = self._write(step, contents, model_config)
         # Rank 0 writes; every rank learns whether it could, so all stop together or none.
@@ -217,7 +219,7 @@ class Outputs:
         stays the previous one."""
         previous, self.best = self.best, best
         failed = self._write(best.step, contents, model_config)
-        if self.config.shards_model and collectives.max_over_ranks(int(failed is not None)):
+        if self.sharded and collectives.max_over_ranks(int(failed is not None)):
             failed = failed or OSError("not written on rank 0")  # every rank as rank 0
         if failed is not None:
             self.best = previous
@@ -236,7 +238,7 @@ class Outputs:
         keep, best = config.keep_checkpoints, self.best.step if config.save_best else None
         try:
             model_state, trainer_state = contents()
-            if config.shards_model:
+            if self.sharded:
                 checkpoint.save_sharded(config.out, step, model_state, model_config,
                                         trainer_state, config.to_dict(), keep, best,
                                         self.is_main)  # fmt: skip
