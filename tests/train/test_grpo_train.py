@@ -5,6 +5,7 @@ checkpoint; bad --reward specs and settings are refused in one line before anyth
 written. The tiny built-in GPT from its random start, a reward of its own (the count of a
 distinct characters: varied rewards from the first window), short completions."""
 
+import json
 import os
 import sys
 
@@ -136,7 +137,6 @@ def test_a_bad_reward_is_refused_before_anything_is_written(tmp_path, rewards, c
         (["--task", "grpo", "--packing", "window"], "--packing window: not with --task grpo"),
         (["--task", "grpo", "--tokens-per-step", "4096"], "--tokens-per-step 4096: a --task grpo"),
         (["--task", "grpo", "--micro-batch", "auto"], "--micro-batch auto: not with --task grpo"),
-        (["--task", "grpo", "--epochs", "2"], "--epochs 2"),
         (["--task", "sft", "--beta", "0.1"], "--beta 0.1: only with --task grpo"),
         (["--num-generations", "4"], "--num-generations 4: only with --task grpo"),
         (["--task", "grpo", "--num-generations", "1"], "--num-generations 1"),
@@ -262,3 +262,28 @@ def test_a_reward_module_of_the_working_directory_is_found_from_config_yaml_anyw
     again = ["train", "--config", str(here / "run" / "config.yaml"), "--out", "again"]
     assert main(again) == 0
     assert read_metrics(str(elsewhere / "again" / "metrics.jsonl"))  # it trained
+
+
+@pytest.mark.parametrize(
+    "epochs, prompts_per_step, max_steps, steps",
+    [(1, 2, None, 5), (2.5, 4, None, 7), (0.5, 3, None, 2), (2, 2, 3, 3), (0.01, 2, None, 1)],
+)
+def test_epochs_are_passes_over_the_prompts(epochs, prompts_per_step, max_steps, steps):
+    # 10 prompts: E epochs are round(10 E) prompts of the stream, at --prompts-per-step a step
+    # (1 -> 10/2 = 5; 2.5 -> 25/4 = 7 by ceil; 0.5 -> 5/3 = 2; 0.01 -> at least 1 prompt)
+    cfg = TrainConfig(task="grpo", epochs=epochs, prompts_per_step=prompts_per_step,
+                      max_steps=max_steps, micro_batch=4, num_generations=2)  # fmt: skip
+    assert cfg.max_steps == max_steps  # --epochs leaves the task's default length out
+    assert grpo.plan_config(cfg, 1, 10).max_steps == steps
+
+
+@pytest.mark.slow
+def test_an_epochs_run_trains_each_prompt_of_its_data_once_a_pass(tmp_path, rewards, capsys):
+    data = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": f"say {c}{c}", "completion": c * 2} for c in "abcdef"]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = train(config(tmp_path / "run", rewards, data=str(data), epochs=1, max_steps=None,
+                           save_every=0))  # fmt: skip
+    assert summary["steps"] == summary["total_steps"] == 3  # 6 prompts, 2 a step
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("length")]
+    assert line.startswith("length 3 step(s): 1 epoch(s) of 6 prompts (6 prompts read)"), line

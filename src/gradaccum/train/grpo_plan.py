@@ -9,7 +9,9 @@ import math
 
 from gradaccum.grpo.rewards import RewardFn
 from gradaccum.grpo.settings import DEFAULT_PROMPTS_PER_STEP
+from gradaccum.train import epochs
 from gradaccum.train.config import TrainConfig
+from gradaccum.train.epochs import epoch_stop
 
 
 def prompts_per_step(config: TrainConfig) -> int:
@@ -17,15 +19,26 @@ def prompts_per_step(config: TrainConfig) -> int:
     return config.prompts_per_step or DEFAULT_PROMPTS_PER_STEP
 
 
-def plan_config(config: TrainConfig, world_size: int) -> TrainConfig:
-    """The config `resolve_plan` plans a GRPO run with: each step's prompts x completions as
-    sequences of --seq-len (no row is wider), k = ceil(completions per rank / micro-batch)."""
+def plan_config(config: TrainConfig, world_size: int, prompts: int) -> TrainConfig:
+    """The config `resolve_plan` plans a GRPO run over `prompts` training prompts with: each
+    step's prompts x completions as sequences of --seq-len (no row is wider), k =
+    ceil(completions per rank / micro-batch); with --epochs, the steps that many passes over
+    the prompts take (`epoch_steps`), or --max-steps where it ends first."""
     micro = config.micro_batch
     rows = prompts_per_step(config) * config.num_generations
     k = max(1, math.ceil(rows / (micro * world_size)))
     planned = copy.copy(config)  # not `replace`: --tokens-per-step is refused with --task grpo
     planned.tokens_per_step = k * micro * world_size * config.seq_len
+    if config.epochs is not None:
+        steps = epoch_steps(config, prompts)
+        planned.max_steps = min(steps, config.max_steps or steps)
     return planned
+
+
+def epoch_steps(config: TrainConfig, prompts: int) -> int:
+    """Steps of --epochs passes over `prompts` prompts, --prompts-per-step a step: the steps
+    that reach round(epochs x prompts) prompts of the stream (each pass a new order)."""
+    return -(-epoch_stop(config.epochs, prompts) // prompts_per_step(config))
 
 
 def plan_lines(config: TrainConfig, rewards: list[RewardFn], world_size: int) -> list[str]:
@@ -63,5 +76,13 @@ def plan_lines(config: TrainConfig, rewards: list[RewardFn], world_size: int) ->
 def length_line(config: TrainConfig, prompts: int, steps: int) -> str:
     """The run's length: its steps, and the passes over the prompts they make."""
     taken = steps * prompts_per_step(config)
+    if config.epochs is not None:
+        found = {"--epochs": epoch_steps(config, prompts)}
+        given = {"--epochs": f"{config.epochs:g}"}
+        if config.max_steps is not None:
+            found["--max-steps"], given["--max-steps"] = config.max_steps, str(config.max_steps)
+        if min(found.values()) != steps:  # a resume's length as planned from its checkpoint
+            found, given = {"the plan": steps}, {"the plan": f"({steps} steps)"}
+        return epochs.length_line(found, given, prompts, "prompts", taken)
     return (f"length {steps:,} steps (--max-steps), {taken:,} prompts: {taken / prompts:.2f} "
             f"passes over the {prompts:,} prompts, each in a new order")  # fmt: skip

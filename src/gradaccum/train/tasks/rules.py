@@ -144,7 +144,6 @@ class GRPORules(SFTRules):
         "packing": "not with --task grpo yet: its micro-batches are --micro-batch completions, "
         "each padded to its longest",
         "micro_batch_tokens": "not with --task grpo yet; give --micro-batch",
-        "epochs": "not with --task grpo yet; give --max-steps",
         "max_tokens": "not with --task grpo; give --max-steps",
         "train_on_prompt": "not with --task grpo (the loss is over the sampled completions)",
     }
