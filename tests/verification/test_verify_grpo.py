@@ -16,7 +16,10 @@ import torch
 from gradaccum import rl
 from gradaccum.cli import main
 from gradaccum.data.sft.builtin import builtin_rows
+from gradaccum.verification.grpo import GRPOWindow
 from gradaccum.verification.grpo_check import reference_grads
+from gradaccum.verification.grpo_ranks import rank_micro_batches, ranks_grads
+from gradaccum.verification.reference import max_rel_error
 from tests.reference import make_gpt, rel_error
 from tests.test_rl import MAX_LEN, VOCAB, _stack, big_batch_by_hand, rl_window
 
@@ -133,7 +136,8 @@ def test_data_is_refused_naming_grpo_and_what_it_checks(capsys):
         (["--k", "17"], "--k 17: more micro-batches than the window's 16 completions"),
         (["--k", "3", "--micro-batch", "4"], "--k 3: --micro-batch 4 cuts the window's 16"),
         (["--seq-len", "10"], "--seq-len 10: below the longest prompt"),
-        (["--world-size", "2"], "--world-size 2: runs on --task pretrain only"),
+        (["--world-size", "5"], "--world-size 5: more ranks than --prompts-per-step 4"),
+        (["--world-size", "2", "--sync", "micro"], "--sync micro: --task grpo trains under DDP"),
         (["--moe-balance", "micro"], "--moe-balance micro: needs --task pretrain or sft"),
     ],
 )
@@ -155,3 +159,56 @@ def test_rl_flags_need_task_grpo(capsys, argv, words):
     code = main(["verify", *argv])
     _, err = capsys.readouterr()
     assert code == 2 and words in err
+
+
+def test_the_ranks_take_whole_groups_as_training_deals_them():
+    # 3 prompts x G 4 on 2 ranks: groups 0 and 2 on rank 0, group 1 on rank 1, micro-batches of 3
+    completions = [[5 + i % 7] * (1 + i % 5) for i in range(12)]
+    rows = [([1, 2], c) for c in completions]
+    batch = rl.collate(rows, rl.group_advantages(torch.rand(12), 4, True), 0)
+    window = GRPOWindow(batch, torch.rand(12), 4, [12], [2] * 3, [5] * 12,
+                        [len(c) for c in completions], True, "bytes")  # fmt: skip
+    ranks = rank_micro_batches(window, 2, 3)
+    assert [[len(b["input_ids"]) for b in r] for r in ranks] == [[3, 3, 2], [3, 1]]
+    one = window.micro_batches()[0]  # the window in one micro-batch: rows in order
+    dealt = {0: [0, 1, 2, 3, 8, 9, 10, 11], 1: [4, 5, 6, 7]}
+    for rank, want in dealt.items():
+        got = torch.cat([b["advantages"] for b in ranks[rank]])
+        assert torch.equal(got, one["advantages"][want])
+        masks = [b["completion_mask"].sum(1) for b in ranks[rank]]
+        assert torch.equal(torch.cat(masks), one["completion_mask"].sum(1)[want])
+
+
+@pytest.mark.slow
+def test_two_ranks_are_the_big_batch_and_a_count_of_their_own_is_not(four_by_four):
+    """--world-size 2: rank 0 holds groups 0 and 2, rank 1 groups 1 and 3 (unequal token
+    counts): every loss type within the tolerance of the float64 big batch; the same ranks
+    normalising each micro-batch by its own count (the per-micro-batch mistake, DDP averaging
+    the ranks) are not, for a loss type counting tokens."""
+    code, got = _verify("--k", "4", "--world-size", "2")
+    assert code == 0 and got["passed"] is True
+    for loss_type, row in got["loss_types"].items():
+        assert row["world_size"] == 2 and row["ranks_max_rel_err"] <= 1e-5, loss_type
+        assert row["max_rel_err"] == four_by_four[1]["loss_types"][loss_type]["max_rel_err"]
+    model = make_gpt()
+    window = _small_window(model)
+    objective = dict(epsilon=0.2, epsilon_high=None, beta=0.0, max_completion_length=12,
+                     temperature=1.0)  # fmt: skip
+    want = reference_grads(torch.nn.Module.to(copy.deepcopy(model), torch.float64),
+                           window.batch, ("bnpo",), objective)["bnpo"]  # fmt: skip
+    right = ranks_grads(model, window, 2, 4, ("bnpo",), objective, {"precision": "fp32"}, 0)
+    wrong = ranks_grads(model, window, 2, 4, ("bnpo",), objective,
+                        {"precision": "fp32", "normalize": "micro_batch_mean"}, 0)  # fmt: skip
+    assert max_rel_error(right["bnpo"], want) <= 1e-5
+    assert max_rel_error(wrong["bnpo"], want) > 1e-2
+
+
+def _small_window(model) -> GRPOWindow:
+    """4 prompts x G 4 of lengths 1..12, rewards from a seed: the completions drawn, not
+    sampled (the check is of the arithmetic)."""
+    g = torch.Generator().manual_seed(3)
+    lengths = [int(n) for n in torch.randint(1, 13, (16,), generator=g)]
+    rows = [([1, 2, 3], [4 + i % 9] * n) for i, n in enumerate(lengths)]
+    rewards = torch.rand(16, generator=g)
+    batch = rl.collate(rows, rl.group_advantages(rewards, 4, True), 0)
+    return GRPOWindow(batch, rewards, 4, [4] * 4, [3] * 4, lengths, lengths, True, "bytes")

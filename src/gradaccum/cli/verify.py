@@ -54,7 +54,9 @@ sampled from the model, rewards drawn from --seed, cut into --k micro-batches (o
 --micro-batch completions each), through each --loss-type (all four unless given) against one
 float64 big batch with the loss written out, and beside it the mistakes users hit on the same
 completions: each micro-batch normalised on its own then divided by k, the window's
-normalisation divided by k once more, groups cut across micro-batches. --base-bits 4 or 8 (QLoRA): the model built with its blocks' linear layers in
+normalisation divided by k once more, groups cut across micro-batches; with --world-size N the
+window dealt to N gloo ranks too, as train deals it (each prompt's group on one rank), under
+DDP. --base-bits 4 or 8 (QLoRA): the model built with its blocks' linear layers in
 bitsandbytes' 4- or 8-bit layers on the CPU, LoRA adapters on it (rank {DEFAULT_LORA_RANK}
 unless --lora-rank says), checked against the same adapters on the dequantised base in
 float64; how far the dequantised weights are from the original ones is reported apart, as
@@ -67,6 +69,7 @@ information. --lora-rank alone: the adapters on the full base. Examples:
   gradaccum verify --task sft --init-from path/to/model --base-bits 4   # QLoRA
   gradaccum verify --task grpo               # every loss type of the GRPO family
   gradaccum verify --task grpo --loss-type bnpo --num-generations 4 --k 8 --beta 0.04
+  gradaccum verify --task grpo --world-size 2   # the groups dealt to 2 gloo ranks too
   gradaccum verify --model-config path/to/config.json --k 8 --precision bf16
   gradaccum verify --world-size 2          # also DDP and FSDP2 over 2 gloo processes on CPU
   gradaccum verify --world-size 4 --sync hsdp   # FSDP2 as 2 replicas x 2 shards
@@ -278,9 +281,15 @@ def _check_task(args) -> None:
 
 
 def _check_grpo(args) -> None:
-    """--task grpo checks one window in one process, the policy loss alone."""
-    if args.world_size > 1:
-        raise BadInput("--world-size", args.world_size, "runs on --task pretrain only")
+    """--task grpo checks one window, the policy loss alone, in one process and with
+    --world-size on that many ranks under DDP (each a prompt's group at least), as train runs
+    it."""
+    if args.world_size > 1 and (args.sync or "window") != "window":
+        raise BadInput("--sync", args.sync, "--task grpo trains under DDP (window): each rank "
+                       "generates its own completions, which a sharded model cannot")  # fmt: skip
+    if args.world_size > args.prompts_per_step:
+        raise BadInput("--world-size", args.world_size, f"more ranks than --prompts-per-step "
+                       f"{args.prompts_per_step}: each rank takes whole groups")  # fmt: skip
     if args.precision_study:
         raise BadInput("--precision-study: runs on --task pretrain only")
     if args.moe_balance is not None:

@@ -88,9 +88,11 @@ def _run_grpo(args, sizes: dict) -> int:
     case, window = grpo_case(args, sizes)
     objective = {name: getattr(args, name) for name in OBJECTIVE}
     loss_types = LOSS_TYPES if args.loss_type is None else (args.loss_type,)
-    checks = check_grpo(
-        case.model, window, loss_types, objective, case.precision, sizes["seed"], case.reference
-    )
+    if sizes["world_size"] > 1 and not args.json:
+        print(f"verify: the window on {sizes['world_size']} gloo ranks too (DDP)",
+              file=sys.stderr, flush=True)  # fmt: skip
+    checks = check_grpo(case.model, window, loss_types, objective, case.precision,
+                        sizes["seed"], case.reference, sizes["world_size"])  # fmt: skip
     shown = (case.description, window, checks, case.precision, objective, case.adapters)
     if args.json:
         print_json(grpo_json(*shown))

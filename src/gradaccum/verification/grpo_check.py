@@ -15,6 +15,7 @@ from gradaccum import rl
 from gradaccum.engine.precision import is_low_precision
 from gradaccum.verification.check import TOLERANCES, check_row, verdict
 from gradaccum.verification.grpo import GRPOWindow, logprobs
+from gradaccum.verification.grpo_ranks import ranks_grads
 from gradaccum.verification.lint import quiet_rng
 from gradaccum.verification.reference import engine_grads, max_rel_error, trainable
 
@@ -78,21 +79,27 @@ class LossCheck:
     counts: list[int] = field(default_factory=list)
     """What each micro-batch holds of the count this loss type divides by (`rl.window_count`):
     completions, completion tokens, or completions x max_completion_length."""
+    ranks: float | None = None
+    """With --world-size N: the error of the window dealt to N gloo ranks under DDP
+    (`grpo_ranks`); None on one process."""
+    world_size: int = 1
+    """The ranks of `ranks`."""
 
     @property
     def passed(self) -> bool:
-        return self.ours <= self.tolerance
+        return self.ours <= self.tolerance and (self.ranks is None or self.ranks <= self.tolerance)
 
 
 def check_grpo(
     model, window: GRPOWindow, loss_types: tuple[str, ...], objective: dict, precision: str,
-    seed: int, reference_model=None,
+    seed: int, reference_model=None, world_size: int = 1,
 ) -> list[LossCheck]:  # fmt: skip
     """Each loss type's `LossCheck` on `window` (module docstring). objective: epsilon,
     epsilon_high, beta, max_completion_length and temperature. reference_model: what the
     float64 big batch runs on where `model` cannot be cast (a quantised base's dequantised copy
-    with the same adapters); its trainable parameters are `model`'s, in order. `model` is not
-    changed."""
+    with the same adapters); its trainable parameters are `model`'s, in order. world_size
+    above 1: the window on that many gloo ranks too (`grpo_ranks`), micro-batches of the
+    window's largest. `model` is not changed."""
     prepared = copy.deepcopy(model)
     quiet_rng(prepared)
     model64 = torch.nn.Module.to(copy.deepcopy(reference_model or prepared), torch.float64)
@@ -101,10 +108,17 @@ def check_grpo(
     if any(is_low_precision(p.dtype) for _, p in trainable(prepared)):
         options["master_weights"] = True
     wants = reference_grads(model64, window.batch, loss_types, objective)
-    return [
+    checks = [
         _check_one(prepared, window, name, objective, wants[name], seed, options)
         for name in loss_types
     ]
+    if world_size > 1:
+        got = ranks_grads(prepared, window, world_size, max(window.sizes), loss_types,
+                          objective, options, seed)  # fmt: skip
+        for check in checks:
+            check.ranks = max_rel_error(got[check.loss_type], wants[check.loss_type])
+            check.world_size = world_size
+    return checks
 
 
 def _check_one(model, window: GRPOWindow, loss_type: str, objective: dict, want, seed: int,

@@ -36,6 +36,7 @@ def grpo_json(description: str, window: GRPOWindow, checks: list[LossCheck], pre
                 "passed": c.passed,
                 "counts": c.counts,
                 "wrong_ways": dict(c.mistakes),
+                **_ranks_json(c),
             }
             for c in checks
         },
@@ -45,6 +46,22 @@ def grpo_json(description: str, window: GRPOWindow, checks: list[LossCheck], pre
         q = adapters.quantization
         out["quantization"] = None if q is None else q.to_dict()
     return out
+
+
+def _ranks_json(check: LossCheck) -> dict:
+    """With --world-size: the ranks and their error, for --json; nothing on one process."""
+    if check.ranks is None:
+        return {}
+    return {"world_size": check.world_size, "ranks_max_rel_err": check.ranks}
+
+
+def _ranks_lines(ranks: int | None, micro_batch: int) -> list[str]:
+    if not ranks:
+        return []
+    return [
+        f"  {ranks} ranks: prompt j's group on rank j mod {ranks} (as train deals them), "
+        f"micro-batches of up to {micro_batch} completions, DDP, the count over the ranks"
+    ]
 
 
 def window_dict(window: GRPOWindow, objective: dict) -> dict:
@@ -73,7 +90,9 @@ def render_grpo(description: str, window: GRPOWindow, checks: list[LossCheck], p
     passed = all(c.passed for c in checks)
     tolerance = checks[0].tolerance
     k, G = len(window.sizes), window.num_generations
+    ranks = checks[0].world_size if checks[0].ranks is not None else None
     head = f"  {'loss type':<11}{'counts per micro-batch':<34}{'gradaccum':>10}      "
+    head += f"{f'{ranks} ranks':>12}      " if ranks else ""
     head += "".join(f"{COLUMNS[name]:>18}" for name in MISTAKES)
     lines = [
         f"gradaccum verify: {description}",
@@ -86,9 +105,12 @@ def render_grpo(description: str, window: GRPOWindow, checks: list[LossCheck], p
     for c in checks:
         verdict = "PASS" if c.passed else "FAIL"
         row = f"  {c.loss_type:<11}{_counts(c):<34}{c.ours:>10.2e}  {verdict}"
+        if ranks:
+            row += f"{c.ranks:>12.2e}  {'PASS' if c.ranks <= c.tolerance else 'FAIL'}"
         lines.append(row + "".join(f"{c.mistakes[name]:>18.2e}" for name in MISTAKES))
     lines += [
         f"  tolerance {tolerance:g} ({TOLERANCE_SOURCE})",
+        *_ranks_lines(ranks, max(window.sizes)),
         "",
         "  the mistakes, on the same completions through the same engine:",
         "    per-mb / k: each micro-batch normalised by its own count, the sum divided by k "
