@@ -2,8 +2,11 @@
 
 - `accumulator`: `Accumulator`, which runs windows on a model and its optimizer, and
   `windows`, which groups micro-batches into windows;
-- `window`: one window in progress (`Window`), its result (`StepResult`) and the backward
-  scale each micro-batch carries (`backward_scale`);
+- `window`: one window in progress (`Window`) and what it reads of the engine that begins
+  it (`WindowOwner`);
+- `step_result`: what one window did (`StepResult`);
+- `scale`: the backward scale each micro-batch carries (`backward_scale`), without torch;
+- `grad_norm`: the window gradient's norm, FSDP2 shards included (`total_norm`);
 - `loss_contract`: the checks of what `loss_fn` returns, in one-line errors;
 - `grad_store`: where the window's gradient lives (fp32 buffers for 16-bit parameters, master
   weights) until the optimizer takes it;
@@ -23,9 +26,9 @@ __getattr__ = lazy_exports(
         "LossFn": "accumulator",
         "count_labels": "accumulator",
         "windows": "accumulator",
-        "StepResult": "window",
+        "StepResult": "step_result",
         "Window": "window",
-        "backward_scale": "window",
+        "backward_scale": "scale",
     },
 )
 

@@ -32,7 +32,9 @@ from gradaccum.engine.grad_store import GradStore
 from gradaccum.engine.loss_contract import loss_pair
 from gradaccum.engine.noise import NoiseScale
 from gradaccum.engine.precision import LossScaler, autocast_dtype, is_low_precision
-from gradaccum.engine.window import StepResult, Window, backward_scale, repeated_batch
+from gradaccum.engine.scale import backward_scale
+from gradaccum.engine.step_result import StepResult
+from gradaccum.engine.window import Window, repeated_batch
 from gradaccum.parallel import backends, collectives
 from gradaccum.utils.choices import PRECISIONS, SYNC_POLICIES
 

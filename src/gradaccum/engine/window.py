@@ -22,16 +22,23 @@ import math
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from gradaccum.engine.grad_norm import by_kind, total_norm
 from gradaccum.engine.loss_contract import checked_loss
-from gradaccum.engine.noise import NoiseEstimate
+from gradaccum.engine.scale import backward_scale
+from gradaccum.engine.step_result import StepResult
 from gradaccum.parallel import collectives, devices
 
 if TYPE_CHECKING:
-    from gradaccum.engine.accumulator import Accumulator
+    from gradaccum.engine.grad_store import GradStore
+    from gradaccum.engine.noise import NoiseScale
+    from gradaccum.engine.precision import LossScaler
+    from gradaccum.parallel.backends import Backend
+
+__all__ = ["StepResult", "Window", "WindowOwner", "backward_scale", "repeated_batch"]
 
 OPEN, FINISHED, ABANDONED = "open", "finished", "abandoned"
 
@@ -42,56 +49,33 @@ _DECLARE = (
 )
 
 
-@dataclass
-class StepResult:
-    """What one window did. Losses are per token; counts are summed over ranks."""
+class WindowOwner(Protocol):
+    """What a window reads of the engine that begins it (`Accumulator`), and the two calls by
+    which it hands its end back."""
 
-    loss: float
-    """Mean loss per valid token over the window (all micro-batches, all ranks)."""
-    tokens: int
-    """Valid tokens in the window over all ranks (N)."""
-    micro_steps: int
-    """Forward/backward passes this rank ran (equal on every rank)."""
-    grad_norm: float
-    """L2 norm of the window's gradient before clipping; nan when skipped."""
-    skipped: bool
-    """True when the optimizer did not step (non-finite loss or gradient, or no tokens)."""
-    lr: float | None
-    """Learning rate of the first parameter group for this step; None for an optimizer
-    whose parameter groups have no "lr" (one that sets its own step size)."""
-    step: int
-    """Optimizer steps taken so far, this one included."""
+    optimizer: torch.optim.Optimizer
+    scheduler: object | None
+    max_grad_norm: float | None
+    normalize: str
+    """"tokens" or "micro_batch_mean"."""
+    sync: str
+    """The sync policy: "window", "micro" or "hsdp"."""
+    autocast_dtype: torch.dtype | None
+    device: torch.device
+    scaler: LossScaler
+    dp: Backend
+    store: GradStore
+    noise: NoiseScale | None
+    steps: int
+    """Optimizer steps taken."""
     skipped_total: int
-    """Windows skipped so far."""
-    loss_scale: float | None = None
-    """fp16 loss scale used in this window; None in fp32/bf16."""
-    peak_memory_bytes: int | None = None
-    """Peak device memory since the window began; None where the device does not track it."""
-    grad_collectives: int = 0
-    """Gradient collectives launched in the window on this rank: DDP bucket all-reduces,
-    FSDP2 reduce-scatters (one per `fully_shard` unit per sync: per window under
-    sync="window", per micro-batch under "micro" and "hsdp") and HSDP's all-reduces across
-    replicas, or the engine's own all-reduce of its fp32 buffer (bf16/fp16 parameters under
-    DDP) and of parameters outside the model. 0 on one device; -1 when they could not be
-    counted (a DDP model that already had a communication hook: see
-    `parallel.backends.count_grad_traffic`)."""
-    grad_bytes: int = 0
-    """Bytes of gradient this rank handed to those collectives (-1 when not counted): per
-    `fully_shard` unit and reduce-scatter, its whole padded gradient in FSDP2's reduce dtype;
-    per HSDP all-reduce, its reduced shard."""
-    grad_replica_collectives: int = 0
-    """Of `grad_collectives`, HSDP's all-reduces across replicas (a 2-D mesh; 0 otherwise,
-    -1 when not counted)."""
-    grad_replica_bytes: int = 0
-    """Of `grad_bytes`, those handed to HSDP's all-reduces across replicas (the inter-node
-    part where the replica dimension spans nodes)."""
-    noise: NoiseEstimate | None = None
-    """The gradient noise scale after this window (`Accumulator(noise_scale=True)`); None
-    when off, or before the first window of at least 2 micro-batches over all ranks."""
-    aux_loss: float | None = None
-    """The auxiliary terms given to `Window.backward(..., aux=)` (already normalized for the
-    window, e.g. the MoE load-balancing loss), summed over micro-batches and ranks (weight-0
-    repeats left out); None when no rank gave one. Not part of `loss`."""
+    """Windows finished without a step."""
+
+    def window_finished(self, window: Window, stepped: bool, tokens: int) -> None:
+        """The window's step taken (`stepped`) or skipped, its N `tokens`."""
+
+    def window_dropped(self, window: Window) -> None:
+        """The window dropped: its partial gradients cleared, nothing counted."""
 
 
 def repeated_batch(micro_batches: Sequence, stand_in=None):
@@ -100,31 +84,6 @@ def repeated_batch(micro_batches: Sequence, stand_in=None):
     collectives: its last of this window, or with none `stand_in` (the last batch of its
     previous window, or the trainer's stand-in); None when neither exists."""
     return micro_batches[len(micro_batches) - 1] if len(micro_batches) else stand_in
-
-
-def backward_scale(
-    normalize: str,
-    tokens: float,
-    micro_steps: int,
-    world: int,
-    wrapper_averages: bool,
-    loss_scale: float = 1.0,
-) -> float:
-    """What each micro-batch's backward multiplies its loss by, for one window.
-
-    normalize "tokens": the loss is the micro-batch's summed token loss and `tokens` is N, the
-      window's valid tokens over all ranks: scale = world / N (docs/design.md, numerical rules).
-    normalize "micro_batch_mean": the loss is the micro-batch's own mean, and the window's
-      gradient is the mean over its `micro_steps` x `world` micro-batches.
-    world: ranks in the data-parallel group. wrapper_averages: whether the sync divides the
-      summed gradient by `world` (DDP, FSDP2), which the factor `world` undoes; the engine's
-      own all-reduce (bf16/fp16 parameters under DDP) sums, so it needs none.
-    loss_scale: the fp16 loss scale (1 otherwise); unscaled once at the window's end.
-    """
-    undo_average = world if wrapper_averages else 1
-    if normalize == "tokens":
-        return undo_average * loss_scale / max(tokens, 1)
-    return undo_average * loss_scale / max(micro_steps * world, 1)
 
 
 def _lr_of(optimizer: torch.optim.Optimizer) -> float | None:
@@ -168,7 +127,7 @@ class Window:
 
     def __init__(
         self,
-        acc: Accumulator,
+        acc: WindowOwner,
         micro_steps: int,
         tokens: int | None,
         capacity: int | None = None,
@@ -503,7 +462,7 @@ class Window:
         if acc.max_grad_norm is not None:
             coef *= min(1.0, acc.max_grad_norm / (measured.grad_norm + 1e-6))
         if coef != 1.0:
-            for same_kind in _by_kind(grads):
+            for same_kind in by_kind(grads):
                 torch._foreach_mul_(same_kind, coef)
         acc.store.step(acc.optimizer.step)
         if isinstance(acc.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
@@ -533,29 +492,3 @@ class Window:
             noise=None if self.acc.noise is None else self.acc.noise.last,
             aux_loss=measured.aux,
         )
-
-
-def _by_kind(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """The gradients split into DTensors (FSDP2 shards) and plain tensors (everything else, a
-    parameter outside an FSDP2 model included): foreach ops take one kind at a time."""
-    sharded = [g for g in grads if hasattr(g, "full_tensor")]
-    plain = [g for g in grads if not hasattr(g, "full_tensor")]
-    return [kind for kind in (sharded, plain) if kind]
-
-
-def total_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The L2 norm of all of `grads` (whole tensors under FSDP2: DTensor norms are reduced)."""
-    norms = []
-    for same_kind in _by_kind(grads):
-        if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6
-            norm = torch.nn.utils.get_total_norm(same_kind, norm_type=2.0, foreach=True)
-        else:
-            norm = torch.linalg.vector_norm(
-                torch.stack([torch.linalg.vector_norm(g) for g in same_kind])
-            )
-        if hasattr(norm, "full_tensor"):  # DTensor gradients under FSDP2
-            norm = norm.full_tensor()
-        norms.append(norm.to(device))
-    if not norms:
-        return torch.zeros((), device=device)
-    return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))

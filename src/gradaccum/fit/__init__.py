@@ -4,6 +4,7 @@
   timing them (`find_micro_batch`, `measure_step`);
 - `memory`: one step's memory by term, counted on CPU with saved-tensor hooks (`MemoryUse`);
 - `search`: which sizes to probe and time, and the choice among them (no torch);
+- `target`: the global batch aimed at (`Target`) and how far the choice may stray from it;
 - `result`: each size tried and the choice (`Candidate`, `FitResult`, `NothingFits`);
 - `report`: the table and the lines that explain the choice.
 """
@@ -22,7 +23,7 @@ __getattr__ = lazy_exports(
         "Candidate": "result",
         "FitResult": "result",
         "NothingFits": "result",
-        "BATCH_TOLERANCE": "search",
+        "BATCH_TOLERANCE": "target",
         "choose": "search",
         "largest_fitting": "search",
         "to_time": "search",

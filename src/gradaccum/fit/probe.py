@@ -54,15 +54,8 @@ from gradaccum.fit.memory import (
 )
 from gradaccum.fit.report import choice_notes, render_table
 from gradaccum.fit.result import Candidate, FitResult, NothingFits
-from gradaccum.fit.search import (
-    BATCH_TOLERANCE,
-    NOISE_FLOOR,
-    Target,
-    choose,
-    largest_fitting,
-    search,
-    to_time,
-)
+from gradaccum.fit.search import choose, largest_fitting, search, to_time
+from gradaccum.fit.target import BATCH_TOLERANCE, NOISE_FLOOR, Target
 from gradaccum.models.checkpointing import checkpointing_enabled, first_block, set_checkpointing
 from gradaccum.models.optimizer import adamw
 from gradaccum.parallel import collectives, devices

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.table import Table
 
-from gradaccum.fit.search import EXACT, MAX_NOISE
+from gradaccum.fit.target import EXACT, MAX_NOISE
 from gradaccum.utils.sizes import fmt_bytes, fmt_int
 
 if TYPE_CHECKING:

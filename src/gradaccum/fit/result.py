@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from gradaccum.fit.memory import MemoryUse
-from gradaccum.fit.search import BATCH_TOLERANCE, NOISE_FLOOR, Target
+from gradaccum.fit.target import BATCH_TOLERANCE, NOISE_FLOOR, Target
 from gradaccum.utils.errors import BadInput
 
 

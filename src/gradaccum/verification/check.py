@@ -5,8 +5,9 @@ model passed in is never changed): once as one big batch, the micro-batches conc
 padded where their lengths differ, in float64 where the model computes in it; and once as one
 window through `Accumulator`. It compares the gradients handed to the optimizer per parameter
 and the parameters after one optimizer step (AdamW by default). Then it runs the usual
-mistakes on the same data through the same engine, and names what in the model breaks
-equivalence (docs/design.md, "Verify"; the lint is in `gradaccum.verification.lint`).
+mistakes on the same data through the same engine (`wrong_ways`), and names what in the model
+breaks equivalence (docs/design.md, "Verify"; the lint is in `gradaccum.verification.lint`).
+What it found is a `report.VerifyReport`.
 
 The tolerance per precision (`TOLERANCES`) comes from the precision study
 (`gradaccum.verification.precision_study`, docs/design.md "Tolerances of verify").
@@ -15,10 +16,8 @@ The tolerance per precision (`TOLERANCES`) comes from the precision study
 from __future__ import annotations
 
 import copy
-import json
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -27,21 +26,23 @@ from gradaccum.models.loss import IGNORE_INDEX
 from gradaccum.models.optimizer import adamw
 from gradaccum.utils.choices import PRECISIONS
 from gradaccum.utils.errors import BadInput
-from gradaccum.utils.jsonable import finite
-from gradaccum.verification.lint import Finding, lint, list_names, quiet_rng
-from gradaccum.verification.moe_check import MoEReport, check_mode, moe_check, moe_finding
+from gradaccum.verification.lint import lint, list_names, quiet_rng
+from gradaccum.verification.moe_check import check_mode, moe_check, moe_finding
 from gradaccum.verification.reference import (
     Grads,
-    Reference,
     big_batch_reference,
     concat_batches,
     dense,
     engine_grads,
     grad_norm,
-    max_rel_error,
     rel_errors,
     trainable,
 )
+from gradaccum.verification.report import ParamError, VerifyReport, check_row, verdict
+from gradaccum.verification.wrong_ways import WRONG_WAYS, WrongWayInputs, measure_wrong_ways
+
+__all__ = ["TOLERANCES", "TOLERANCE_SOURCE", "WRONG_WAYS", "ParamError", "VerifyReport"]
+__all__ += ["check_row", "concat_batches", "sample_batches", "verdict", "verify"]
 
 # Largest relative error of a window gradient against the float64 big batch that passes, per
 # precision: the precision study's largest per-parameter error over k = 1..1024 on the built-in
@@ -49,138 +50,6 @@ from gradaccum.verification.reference import (
 # ten, never below 1e-5 in fp32 (`precision_study.derive_tolerances`).
 TOLERANCES = {"fp32": 1e-5, "bf16": 1e-1, "fp16": 5e-3}
 TOLERANCE_SOURCE = "from the precision study: docs/design.md, Tolerances of verify"
-
-WRONG_WAYS = {
-    "mean_over_k": "each micro-batch's mean loss divided by k",
-    "no_division": "each micro-batch's mean loss, not divided",
-    "step_every_micro_batch": "an optimizer step after every micro-batch (error of the update)",
-    "short_window_over_k": "a short last window (k/2 micro-batches), each mean divided by k",
-    "bf16_accumulation": "bf16 parameters, gradients summed in bf16",
-}
-
-
-@dataclass
-class ParamError:
-    """One parameter's accumulated gradient against the big batch's."""
-
-    name: str
-    """The parameter's name in `model.named_parameters()`."""
-    numel: int
-    """Elements."""
-    max_abs_err: float
-    """Largest |g_acc - g_big| over its elements."""
-    rel_err: float
-    """|g_acc - g_big| / |g_big| (Frobenius norms; `reference.rel_errors`, whose floor
-    measures a gradient that is zero up to rounding)."""
-    cosine: float
-    """Cosine of the angle between g_acc and g_big (1 for equal directions)."""
-    param_abs_err: float
-    """Largest |p_acc - p_big| after one optimizer step, over the elements whose gradient is
-    not zero up to rounding (there the optimizer turns rounding noise into full steps)."""
-
-
-@dataclass
-class VerifyReport:
-    """What `verify` found. Errors are relative to the big batch's gradient unless named abs."""
-
-    passed: bool
-    """Every parameter's relative error within `tolerance`."""
-    tolerance: float
-    """Largest relative error that passes (`TOLERANCES[precision]` unless given)."""
-    precision: str
-    """The Accumulator's precision: fp32, bf16 or fp16."""
-    micro_steps: int
-    """Micro-batches in the window (k)."""
-    tokens: int
-    """Valid tokens in the window, as loss_fn counted them on the big batch."""
-    reference: str
-    """The big batch's dtype: "float64", or "float32" where the model would not run in it."""
-    max_abs_err: float
-    """Largest |g_acc - g_big| over all elements."""
-    max_rel_err: float
-    """Largest relative error over parameters."""
-    cosine_min: float
-    """Smallest cosine over parameters."""
-    param_max_abs_err: float
-    """Largest |p_acc - p_big| after one optimizer step (see `ParamError.param_abs_err`)."""
-    params: list[ParamError]
-    """Per parameter, in the model's order."""
-    wrong_ways: dict[str, float | None]
-    """Each usual mistake's largest relative error (None where it could not run: its note
-    says why). Keys are those of `WRONG_WAYS`."""
-    lint: list[Finding]
-    """What breaks equivalence, or was changed for the check."""
-    notes: list[str] = field(default_factory=list)
-    """What verify did that a reader should know (RNG fixed, reference dtype, ...)."""
-    moe: MoEReport | None = None
-    """A mixture of experts: cross-entropy plus the load-balancing loss in the balance
-    checked, against the big batch's (`verification.moe_check`); None for a dense model."""
-
-    def checks(self) -> list[dict]:
-        """Each check that decides `passed`, as `check_row` gives it: "gradient" (the
-        window's, `max_rel_err`) and, for a mixture of experts, "moe" (with its balance)."""
-        rows = [check_row("gradient", self.max_rel_err, self.tolerance)]
-        if self.moe is not None:
-            moe = self.moe
-            rows.append(check_row("moe", moe.grad_rel_err, moe.tolerance, moe.passed))
-        return rows
-
-    def to_dict(self) -> dict:
-        """The fields the CLI's --json prints, plus per-parameter rows and notes. Its
-        `max_rel_err` and `tolerance` are the worst check's (`verdict`): for a mixture of
-        experts whose balance fails, the balance's, not the cross-entropy's alone."""
-        out = {
-            key: getattr(self, key)
-            for key in ("passed", "tolerance", "precision", "micro_steps", "tokens")
-        }
-        out.update(
-            reference=self.reference,
-            max_abs_err=self.max_abs_err,
-            max_rel_err=self.max_rel_err,
-            cosine_min=self.cosine_min,
-            param_max_abs_err=self.param_max_abs_err,
-            wrong_ways=dict(self.wrong_ways),
-            lint=[asdict(f) for f in self.lint],
-            params=[asdict(p) for p in self.params],
-            notes=list(self.notes),
-            moe=None if self.moe is None else asdict(self.moe),
-        )
-        out.update(verdict(self.checks()))
-        return out
-
-    def to_json(self) -> str:
-        """`to_dict` as JSON text; a non-finite number becomes null."""
-        return json.dumps(finite(self.to_dict()), indent=2)
-
-
-def check_row(name: str, err: float, tolerance: float, passed: bool | None = None) -> dict:
-    """One check that decides verify's verdict: its name, its largest relative error, the
-    tolerance it is held to and whether it passed (default: err within the tolerance; NaN
-    fails)."""
-    ok = err <= tolerance if passed is None else passed
-    return {"check": name, "max_rel_err": err, "tolerance": tolerance, "passed": bool(ok)}
-
-
-def verdict(checks: list[dict]) -> dict:
-    """The top-level fields of --json over `checks` (`check_row`s): `passed` (every check
-    passed), and the worst check's `max_rel_err`, `tolerance` and name (`max_rel_err_check`):
-    a failing check before a passing one, then the largest error relative to its tolerance
-    (a non-finite error the largest). With all checks held to one tolerance, that is the
-    largest error, and `passed` is `max_rel_err <= tolerance`."""
-
-    def badness(row: dict) -> tuple[bool, float]:
-        err = row["max_rel_err"]
-        ratio = err / row["tolerance"] if math.isfinite(err) else math.inf
-        return (not row["passed"], ratio)
-
-    worst = max(checks, key=badness)  # the first of equals: "gradient" leads
-    return {
-        "passed": all(row["passed"] for row in checks),
-        "max_rel_err": worst["max_rel_err"],
-        "tolerance": worst["tolerance"],
-        "max_rel_err_check": worst["check"],
-        "checks": checks,
-    }
 
 
 # ---- verify -----------------------------------------------------------------------------------
@@ -230,31 +99,22 @@ def verify(
     Raises BadInput on arguments that cannot work.
     """
     say = progress or (lambda words: None)
-    micro_batches = _check(micro_batches, precision, tolerance)
+    micro_batches, tolerance = _checked(micro_batches, precision, tolerance)
     mode = check_mode(model, moe_balance)
-    tolerance = TOLERANCES[precision] if tolerance is None else tolerance
-    devices = [p.device for p in model.parameters() if p.device.type != "cpu"][:1]
-    with torch.random.fork_rng(devices=devices, device_type=devices[0].type if devices else "cuda"):
-        prepared = copy.deepcopy(model)
-        quieted = quiet_rng(prepared)
-        exact = prepared
-        if reference_model is not None:
-            exact = copy.deepcopy(reference_model)
-            quiet_rng(exact)
+    make_optimizer = optimizer or _adamw
+    with _forked_rng(model):
+        prepared, quieted, exact = _copies(model, reference_model)
         whole = _whole_batch(micro_batches, big_batch, concat)
         say("the big batch in float64")
         ref = big_batch_reference(exact, whole, loss_fn, seed)
-        options = {"precision": precision, "count_tokens": count_tokens}
-        if any(is_low_precision(p.dtype) for _, p in trainable(prepared)):
-            options["master_weights"] = True  # the fp32 buffer itself reaches the optimizer
-        make_optimizer = optimizer or _adamw
+        options = _engine_options(prepared, precision, count_tokens)
         say(f"the window through the engine, {len(micro_batches)} micro-batches")
         got, after = engine_grads(
             prepared, [micro_batches], loss_fn, make_optimizer, seed, **options
         )
         ref_after = _step_with(prepared, ref.grads, make_optimizer)
         params = _param_rows(prepared, got, ref.grads, after, ref_after)
-        context = _Context(
+        same = WrongWayInputs(
             prepared,
             micro_batches,
             loss_fn,
@@ -268,7 +128,7 @@ def verify(
         )
         if wrong_ways:
             say(f"the usual mistakes ({len(WRONG_WAYS)}), same data, same engine")
-        ways = _wrong_ways(context, big_batch) if wrong_ways else {}
+        ways = measure_wrong_ways(same, big_batch) if wrong_ways else {}
         say("the lint")
         findings = lint(prepared, micro_batches, whole, loss_fn, ref, quieted, seed, exact)
         report = _report(
@@ -278,6 +138,36 @@ def verify(
             say(f"the load-balancing loss, --moe-balance {mode}, against the big batch's")
             _add_moe(report, prepared, micro_batches, mode, moe_shift, previous_window, seed)
     return report
+
+
+def _forked_rng(model: torch.nn.Module):
+    """A context that restores, on leaving, the RNG state of the CPU and of the model's first
+    accelerator: verify's seeded runs leave the caller's RNG as it was."""
+    devices = [p.device for p in model.parameters() if p.device.type != "cpu"][:1]
+    return torch.random.fork_rng(
+        devices=devices, device_type=devices[0].type if devices else "cuda"
+    )
+
+
+def _copies(model: torch.nn.Module, reference_model: torch.nn.Module | None) -> tuple:
+    """(prepared, quieted, exact): the copy of `model` verify runs, its RNG fixed (`quiet_rng`),
+    what that fixed, and what the big batches run on (`prepared`, or a copy of
+    `reference_model` with its RNG fixed alike)."""
+    prepared = copy.deepcopy(model)
+    quieted = quiet_rng(prepared)
+    exact = prepared
+    if reference_model is not None:
+        exact = copy.deepcopy(reference_model)
+        quiet_rng(exact)
+    return prepared, quieted, exact
+
+
+def _engine_options(prepared: torch.nn.Module, precision: str, count_tokens) -> dict:
+    """The Accumulator's options for the window: master weights for 16-bit parameters."""
+    options = {"precision": precision, "count_tokens": count_tokens}
+    if any(is_low_precision(p.dtype) for _, p in trainable(prepared)):
+        options["master_weights"] = True  # the fp32 buffer itself reaches the optimizer
+    return options
 
 
 def _add_moe(report: VerifyReport, model, micro_batches, mode, shift, previous, seed) -> None:
@@ -294,7 +184,9 @@ def _add_moe(report: VerifyReport, model, micro_batches, mode, shift, previous, 
     report.notes += moe.notes
 
 
-def _check(micro_batches, precision: str, tolerance) -> list:
+def _checked(micro_batches, precision: str, tolerance) -> tuple[list, float]:
+    """The micro-batches as a list and the tolerance (`TOLERANCES[precision]` unless given);
+    BadInput on arguments that cannot work."""
     if precision not in PRECISIONS:
         raise BadInput("precision", repr(precision), f"expected one of {', '.join(PRECISIONS)}")
     micro_batches = list(micro_batches)
@@ -302,7 +194,7 @@ def _check(micro_batches, precision: str, tolerance) -> list:
         raise BadInput("micro_batches", "[]", "needs at least one micro-batch")
     if tolerance is not None and not tolerance > 0:
         raise BadInput("tolerance", tolerance, "must be positive")
-    return micro_batches
+    return micro_batches, TOLERANCES[precision] if tolerance is None else tolerance
 
 
 def _whole_batch(micro_batches: list, big_batch, concat: Callable | None):
@@ -377,130 +269,6 @@ def _report(params, ref, precision, tolerance, k, ways, findings, quieted) -> Ve
         lint=findings,
         notes=notes,
     )
-
-
-# ---- the usual mistakes, through the same engine ----------------------------------------------
-
-
-@dataclass
-class _Context:
-    model: torch.nn.Module
-    micro_batches: list
-    loss_fn: Callable
-    seed: int
-    count_tokens: Callable | str | None
-    ref: Reference
-    concat: Callable | None
-    make_optimizer: Callable
-    ref_after: torch.nn.Module
-    exact: torch.nn.Module
-    """What the big batches run on: `model`, or verify's `reference_model`."""
-
-
-def _wrong_ways(c: _Context, big_batch) -> dict[str, float | None]:
-    """Each mistake's largest relative error against the big batch's gradient."""
-    k = len(c.micro_batches)
-    run = {"seed": c.seed, "count_tokens": c.count_tokens}
-    out: dict[str, float | None] = {}
-
-    def scaled(model, batch):  # the mean of each micro-batch, not divided by k
-        loss_sum, n = c.loss_fn(model, batch)
-        return loss_sum * k, n
-
-    out["mean_over_k"] = _try(
-        lambda: engine_grads(
-            c.model, [c.micro_batches], c.loss_fn, normalize="micro_batch_mean", **run
-        )
-    )
-    out["no_division"] = _try(
-        lambda: engine_grads(
-            c.model, [c.micro_batches], scaled, normalize="micro_batch_mean", **run
-        )
-    )
-    out = {name: _error(result, c.ref.grads) for name, result in out.items()}
-    out["step_every_micro_batch"] = _step_every(c)
-    out["short_window_over_k"] = _short_window(c) if k >= 2 and big_batch is None else None
-    # torch's cast, not a subclass's: transformers refuses .to(dtype) for a model it loaded
-    # with a quantised base, whose packed integer weights torch's cast leaves as they are
-    bf16 = torch.nn.Module.to(copy.deepcopy(c.model), torch.bfloat16)
-    out["bf16_accumulation"] = _error(
-        _try(
-            lambda: engine_grads(
-                bf16,
-                [c.micro_batches],
-                c.loss_fn,
-                precision="bf16",
-                accum_dtype=torch.bfloat16,
-                **run,
-            )
-        ),
-        c.ref.grads,
-    )
-    return out
-
-
-def _step_every(c: _Context) -> float | None:
-    """k optimizer steps of one micro-batch each: the parameters' change against the big
-    batch's one step (the gradients alone would hide that the optimizer moved k times)."""
-    result = _try(
-        lambda: engine_grads(
-            c.model,
-            [[b] for b in c.micro_batches],
-            c.loss_fn,
-            c.make_optimizer,
-            seed=c.seed,
-            count_tokens=c.count_tokens,
-        )
-    )
-    if result is None:
-        return None
-    before = [p.detach().double() for _, p in trainable(c.model)]
-    moved = [
-        p.detach().double() - b for (_, p), b in zip(trainable(result[1]), before, strict=True)
-    ]
-    want = [
-        p.detach().double() - b for (_, p), b in zip(trainable(c.ref_after), before, strict=True)
-    ]
-    return max_rel_error(moved, want)
-
-
-def _short_window(c: _Context) -> float | None:
-    """The last window holds k/2 micro-batches and each one's mean is still divided by k
-    (what a loop that divides by its configured k does): the engine divides each mean by
-    the k/2 it ran, and the loss here is scaled by (k/2)/k to make that a division by k."""
-    k = len(c.micro_batches)
-    short = c.micro_batches[: k // 2]
-    ref = big_batch_reference(c.exact, (c.concat or concat_batches)(short), c.loss_fn, c.seed)
-
-    def over_k(model, batch):
-        loss_sum, n = c.loss_fn(model, batch)
-        return loss_sum * len(short) / k, n
-
-    result = _try(
-        lambda: engine_grads(
-            c.model,
-            [short],
-            over_k,
-            seed=c.seed,
-            count_tokens=c.count_tokens,
-            normalize="micro_batch_mean",
-        )
-    )
-    return _error(result, ref.grads)
-
-
-def _try(run: Callable):
-    try:
-        return run()
-    except (RuntimeError, TypeError, ValueError):  # a model that cannot run this way
-        return None
-
-
-def _error(result, want: Grads) -> float | None:
-    if result is None:
-        return None
-    got, _ = result
-    return max_rel_error(got, want)
 
 
 # ---- data for the built-in check --------------------------------------------------------------

@@ -13,11 +13,12 @@ import torch
 
 from gradaccum import rl
 from gradaccum.engine.precision import is_low_precision
-from gradaccum.verification.check import TOLERANCES, check_row, verdict
+from gradaccum.verification.check import TOLERANCES
 from gradaccum.verification.grpo import GRPOWindow, logprobs
 from gradaccum.verification.grpo_ranks import ranks_grads
 from gradaccum.verification.lint import quiet_rng
 from gradaccum.verification.reference import engine_grads, max_rel_error, trainable
+from gradaccum.verification.report import check_row, verdict
 
 __all__ = ["MISTAKES", "LossCheck", "check_grpo", "checks_verdict", "reference_grads"]
 
@@ -167,5 +168,5 @@ def _split_groups(window: GRPOWindow) -> tuple[list[int], torch.Tensor]:
 
 
 def checks_verdict(checks: list[LossCheck]) -> dict:
-    """`check.verdict` over the loss types: passed, and the worst one's error and tolerance."""
+    """`report.verdict` over the loss types: passed, and the worst one's error and tolerance."""
     return verdict([check_row(c.loss_type, c.ours, c.tolerance) for c in checks])

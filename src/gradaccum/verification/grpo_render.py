@@ -19,7 +19,7 @@ UNITS = {"grpo": "completions", "bnpo": "tokens", "dapo": "tokens", "dr_grpo": "
 
 def grpo_json(description: str, window: GRPOWindow, checks: list[LossCheck], precision: str,
               objective: dict, adapters: Adapters | None = None) -> dict:  # fmt: skip
-    """What --json prints: the verdict (`check.verdict`: passed, the worst loss type's
+    """What --json prints: the verdict (`report.verdict`: passed, the worst loss type's
     max_rel_err and tolerance), the window's counts, and per loss type our error, each
     mistake's and the counts each micro-batch holds."""
     out = {

@@ -7,10 +7,12 @@ from __future__ import annotations
 import math
 from dataclasses import asdict
 
-from gradaccum.verification.check import TOLERANCE_SOURCE, WRONG_WAYS, check_row, verdict
+from gradaccum.verification.check import TOLERANCE_SOURCE
 from gradaccum.verification.precision_study import StudyPoint, study_table
 from gradaccum.verification.qlora import B_STD, Adapters
+from gradaccum.verification.report import check_row, verdict
 from gradaccum.verification.sft import SFTWindow
+from gradaccum.verification.wrong_ways import WRONG_WAYS
 
 W = 66  # width of the label column of the tables
 
@@ -19,7 +21,7 @@ W = 66  # width of the label column of the tables
 
 
 def all_checks(report, world: list[dict]) -> list[dict]:
-    """The checks deciding verify's verdict (`check.check_row`s): the window's gradient, a
+    """The checks deciding verify's verdict (`report.check_row`s): the window's gradient, a
     mixture of experts' balance (`VerifyReport.checks`), each wrapper of --world-size."""
     return report.checks() + [world_check_row(w) for w in world]
 
@@ -37,7 +39,7 @@ def report_json(
     --lora-rank or --base-bits "lora" (the adapters) and "quantization" (how the base is
     stored and how far that moved its weights: information, not in the verdict; null for a
     full base). The top-level `max_rel_err`, `tolerance` and `max_rel_err_check` are those of
-    the worst of the checks deciding `passed` (`check.verdict`): the window's gradient, a
+    the worst of the checks deciding `passed` (`report.verdict`): the window's gradient, a
     mixture of experts' balance, each wrapper of --world-size."""
     out = {**report.to_dict(), **verdict(all_checks(report, world)), "world": world, "task": task}
     if window is not None:
@@ -76,7 +78,7 @@ def world_row(report) -> dict:
 
 
 def world_check_row(row: dict) -> dict:
-    """A wrapper of --world-size as a check (`check.check_row`): its gradient's or loss's
+    """A wrapper of --world-size as a check (`report.check_row`): its gradient's or loss's
     error, whichever is larger, and its verdict (which also holds its AdamW step within
     `step_tolerance` and its token counts to the single process's)."""
     err = max(row["grad_rel_err"], row["loss_rel_err"])

@@ -11,12 +11,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import TYPE_CHECKING
 
 from gradaccum.plan.sync import Mesh, policy_traffic
-
-if TYPE_CHECKING:
-    from gradaccum.verification.equivalence import EquivalenceSetup
+from gradaccum.verification.world_setup import EquivalenceSetup
 
 __all__ = ["TrafficCheck", "padded_params", "traffic_check", "wire_bytes"]
 
