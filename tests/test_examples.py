@@ -28,6 +28,7 @@ def step_lines(out: str) -> list[str]:
     return [line for line in out.splitlines() if line.startswith("step ")]
 
 
+@pytest.mark.slow  # runs the example in a process
 def test_own_loop_example_runs_and_steps_once_per_window():
     lines = step_lines(run_example("own_loop.py"))
     # 32 micro-batches in windows of 8: four optimizer steps, eight micro-steps each
@@ -35,6 +36,7 @@ def test_own_loop_example_runs_and_steps_once_per_window():
     assert all("8 micro-steps" in line for line in lines)
 
 
+@pytest.mark.slow  # runs the example in a process
 def test_hf_own_loop_counts_the_shifted_targets_and_verifies():
     pytest.importorskip("transformers")
     out = run_example("hf_own_loop.py")
@@ -52,6 +54,7 @@ def test_hf_own_loop_counts_the_shifted_targets_and_verifies():
     assert passed == "True" and float(err) < 1e-5
 
 
+@pytest.mark.slow  # runs the example in a process
 def test_lora_example_trains_the_adapters_only():
     pytest.importorskip("peft")
     out = run_example("lora.py")
@@ -71,6 +74,7 @@ def test_lora_example_trains_the_adapters_only():
     assert adapters > 0.0  # B starts at zero: the adapters did
 
 
+@pytest.mark.slow  # runs the example in a process
 def test_packing_example_gives_the_same_gradient_in_every_mode():
     out = run_example("packing.py")
     targets = int(re.search(r"(\d+) targets\n", out).group(1))
@@ -90,6 +94,7 @@ def test_packing_example_gives_the_same_gradient_in_every_mode():
     assert max(norms) - min(norms) < 1e-5 * abs(norms[0])
 
 
+@pytest.mark.slow  # runs the example in a process
 def test_moe_balance_example_trains_the_windows_lbl():
     out = run_example("moe_balance.py")
     lines = step_lines(out)

@@ -124,6 +124,7 @@ def test_table_names_who_divides_by_k(no_peers):
     assert "overhead ratio" in text
 
 
+@pytest.mark.slow  # two rounds of both contestants
 def test_it_says_what_it_will_run_before_the_first_step_then_each_figure(monkeypatch):
     from gradaccum.bench.pretrain import measure
 
@@ -195,6 +196,7 @@ def test_a_missing_peer_is_skipped_with_its_reason(monkeypatch, capsys):
     assert all(skipped[f] is None for f in RESULT_FIELDS - {"name", "skipped"})
 
 
+@pytest.mark.slow  # trains with each peer
 def test_peers_against_the_big_batch():
     """Accelerate and Lightning divide by k (the hand loop's error); the Trainer passes the
     window's token count to the model (exact)."""

@@ -151,6 +151,7 @@ def test_trl_normalises_each_micro_batch_then_divides_by_k(setup, loss_type, tmp
         assert off <= 1e-5
 
 
+@pytest.mark.slow  # the bench with TRL's trainer
 def test_the_table_and_json(llama_config, capsys):
     flags = ["--task", "grpo", "--model-config", llama_config, *SMALL_FLAGS]
     assert cli([*flags, "--loss-type", "bnpo", "--json"]) == 0

@@ -73,6 +73,7 @@ def dequantized_fp64(model):
     return ref.double()
 
 
+@pytest.mark.slow  # the bench with its peers
 def test_one_tiny_round_runs_and_gradaccum_is_exact(llama_config, capsys):
     peers = "trl" if HAS_TRL else "none"
     argv = ["--task", "sft", "--base-bits", "4", "--model-config", llama_config, "--peers", peers]

@@ -99,6 +99,7 @@ def rel(a, b) -> float:
     return (num / sum(float(y.pow(2).sum()) for y in b)) ** 0.5
 
 
+@pytest.mark.slow  # the bench with its peers
 def test_every_contestant_runs_and_errors_are_what_they_must_be(ran):
     cfg, data, _, _ = ran
     by_name = {r["name"]: r for r in data["results"]}
@@ -117,6 +118,7 @@ def test_every_contestant_runs_and_errors_are_what_they_must_be(ran):
     assert by_name["hand-loop"]["update_rel_err"] == pytest.approx(mean_over_k, rel=1e-3)
 
 
+@pytest.mark.slow  # the bench with its peers
 def test_padding_shares_against_a_hand_count(ran):
     cfg, data, _, _ = ran
     by_name = {r["name"]: r for r in data["results"]}
@@ -157,6 +159,7 @@ def bucketed_positions(lengths, seq_len: int) -> int:
     return sum(caps)
 
 
+@pytest.mark.slow  # the bench with its peers
 def test_json_and_table_state_the_lengths_and_every_figure(ran):
     cfg, data, entries, config = ran
     data = json.loads(json.dumps(data))
@@ -186,6 +189,7 @@ def test_the_instruction_set_has_a_long_tail():
     assert min(targets) >= 1
 
 
+@pytest.mark.slow  # a bench run per packing mode
 def test_default_llama_runs_each_mode_exactly(capsys):
     argv = ["--task", "sft", "--json", "--peers", "none", "--seq-len", "64", "--micro-batch", "2"]
     assert cli(argv + ["--accum-steps", "2", "--rounds", "1", "--windows", "1"]) == 0

@@ -129,6 +129,7 @@ def test_an_unknown_preset_is_refused_in_the_same_words_everywhere(capsys):
         assert capsys.readouterr().err == f"gradaccum: error: --model tiny2: {why}\n", name
 
 
+@pytest.mark.slow  # a Python process
 def test_parsers_build_plans_run_and_bad_flags_are_refused_without_torch():
     script = (
         "import sys\n"

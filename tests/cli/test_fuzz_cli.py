@@ -323,6 +323,7 @@ TERMINAL = {
 }
 
 
+@pytest.mark.slow  # a process per command
 @pytest.mark.parametrize("name", sorted(TERMINAL))
 def test_a_subprocess_exits_2_with_one_line(name, tmp_path):
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}

@@ -289,6 +289,7 @@ def sparse_first(seed: int, tokens_first: int, k: int = 4) -> list[dict]:
     return window
 
 
+@pytest.mark.slow  # 6 windows
 @pytest.mark.parametrize("how", ["step", "begin_window(list)", "begin_window(length)"])
 def test_fp16_without_counts_skips_no_window_when_the_first_micro_batch_is_nearly_empty(how):
     # The backward scale is the loss scale / an estimate of N, corrected at the window's end.

@@ -43,6 +43,7 @@ def squared_loss(model, batch):
     return (pred - batch["y"]).pow(2).sum(), batch["y"].shape[0]
 
 
+@pytest.mark.slow  # 400 windows
 @pytest.mark.parametrize("ragged", [False, True])
 def test_linear_regression_b_simple_within_10_percent_of_the_closed_form(ragged):
     torch.manual_seed(0)
@@ -103,6 +104,7 @@ def brute_force_b_simple(model, ids, labels) -> float:
     return float(trace / g2)
 
 
+@pytest.mark.slow  # 150 windows
 @pytest.mark.parametrize("ragged", [False, True])
 def test_gpt_b_simple_within_25_percent_of_per_sequence_gradients(ragged):
     seq_len, vocab = 16, 37

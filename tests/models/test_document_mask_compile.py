@@ -7,6 +7,7 @@ to budget // width rows, compile at most once per bucket."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch._dynamo.utils import counters
 
@@ -51,6 +52,7 @@ def graphs_compiled(packing: str, count: int, **sizes) -> tuple[int, int, set]:
     return counters["stats"]["unique_graphs"], runs, shapes
 
 
+@pytest.mark.slow  # 20 windows
 def test_padding_free_rows_compile_at_most_twice_over_20_ragged_windows():
     graphs, runs, shapes = graphs_compiled(
         "padding-free", 20, micro_batch_tokens=2 * SEQ_LEN, row_tokens=SEQ_LEN
@@ -59,6 +61,7 @@ def test_padding_free_rows_compile_at_most_twice_over_20_ragged_windows():
     assert 1 <= graphs <= 2
 
 
+@pytest.mark.slow  # 20 windows
 def test_window_buckets_compile_at_most_once_per_bucket_over_20_ragged_windows():
     """Window micro-batches rounded up to a bucket width and filled to budget // width rows
     by empty rows: one shape per bucket, whatever the windows' lengths and counts."""

@@ -140,6 +140,7 @@ KILLED_EXPORT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # an export in a process, killed
 def test_a_kill_in_the_middle_of_an_export_leaves_the_previous_one_whole(make_hf_folder, tmp_path):
     source = make_hf_folder("llama")
     root = tmp_path / "out"

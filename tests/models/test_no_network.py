@@ -15,6 +15,7 @@ import pytest
 
 pytest.importorskip("bitsandbytes")
 pytest.importorskip("peft")
+pytestmark = pytest.mark.slow  # each test starts a process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

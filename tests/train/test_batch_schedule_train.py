@@ -35,6 +35,7 @@ def weights(out) -> dict:
     return torch.load(os.path.join(out, "model.pt"), weights_only=True)
 
 
+@pytest.mark.slow  # trains past a few steps
 def test_k_and_the_lr_follow_a_step_wise_schedule(tmp_path, data):
     # 256 tokens per step (k 4) until 768 tokens are seen, then 1024 (k 16): 3 + 2 steps.
     out = tmp_path / "run"
@@ -61,6 +62,7 @@ def test_k_and_the_lr_follow_a_step_wise_schedule(tmp_path, data):
     assert summary["tokens"] == 2816 and summary["tokens_per_step"] == 1024
 
 
+@pytest.mark.slow  # trains past a few steps
 def test_the_schedule_table_shows_the_lr_rule_training_applies(tmp_path, data, capsys):
     # 256 then 1024 tokens per step under sqrt: phase 1 takes sqrt(256 / 1024) = 0.5 of
     # --lr 1e-3 (the LR belongs to the last batch), in the table as in the run.
@@ -78,6 +80,7 @@ def test_the_schedule_table_shows_the_lr_rule_training_applies(tmp_path, data, c
     assert lrs == pytest.approx([5e-4] * 3 + [1e-3] * 2, rel=1e-12)  # what the table said
 
 
+@pytest.mark.slow  # trains past a few steps
 def test_the_lr_schedule_runs_over_tokens_seen(tmp_path, data):
     # Linear decay to 0.1 of the peak over 4096 tokens, no warmup, rule none: the lr of the
     # window after t tokens seen is lr * (1 - 0.9 t / 4096), whatever the steps' sizes.
@@ -105,6 +108,7 @@ def test_the_lr_schedule_runs_over_tokens_seen(tmp_path, data):
         assert r["accum_steps"] == max(1, math.floor(target / 64 + 0.5))
 
 
+@pytest.mark.slow  # trains past a few steps
 @pytest.mark.parametrize(
     "schedule",
     [
@@ -131,6 +135,7 @@ def test_a_resumed_schedule_run_continues_bit_for_bit(tmp_path, data, schedule):
         assert torch.equal(weights(split)[name], value), name
 
 
+@pytest.mark.slow  # trains past a few steps
 def test_auto_grows_k_toward_the_critical_batch_within_its_bounds(tmp_path, data):
     out = tmp_path / "run"
     every = 3
@@ -201,6 +206,7 @@ def test_a_resume_may_not_change_the_schedule(tmp_path, data, capsys):
     assert "a resume continues its batch schedule" in line
 
 
+@pytest.mark.slow  # trains past a few steps
 def test_warmup_over_tokens_matches_step_counted_warmup_at_a_fixed_batch(tmp_path, data):
     # One point: a fixed batch of 256 tokens. Warmup of 3 steps = 768 tokens: windows 1-3
     # take lr/3, 2lr/3, lr, as a run without a schedule does.
@@ -212,6 +218,7 @@ def test_warmup_over_tokens_matches_step_counted_warmup_at_a_fixed_batch(tmp_pat
     assert lrs == pytest.approx([r["lr"] for r in train_records(tmp_path / "plain")], rel=1e-12)
 
 
+@pytest.mark.slow  # trains past a few steps
 def test_a_resume_says_nothing_of_the_batch_when_only_k_moved(tmp_path, data, capsys):
     out = tmp_path / "run"
     kw = dict(batch_schedule="0:128,256:512", max_tokens=2048, save_every=1)

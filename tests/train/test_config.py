@@ -13,6 +13,7 @@ from gradaccum.train.settings import TASK_DEFAULTS
 from gradaccum.utils.errors import BadInput
 
 
+@pytest.mark.slow  # a Python process
 def test_building_a_config_touches_no_file_clock_or_torch():
     script = (
         "import sys, time\n"

@@ -146,6 +146,7 @@ def test_a_model_that_ignores_packed_positions_is_refused(
     assert not os.path.exists(out)
 
 
+@pytest.mark.slow  # trains past a few steps
 def test_resume_with_the_mask_is_bit_for_bit(capsys, tmp_path, docs):
     def run(out, **kw):
         config = _config(out, docs, max_steps=6, save_every=3, document_mask=True, eod_id=EOD)

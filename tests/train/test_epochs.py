@@ -114,6 +114,7 @@ def _jsonl(path, n: int) -> str:
     return str(path)
 
 
+@pytest.mark.slow  # trains past a few steps
 def test_a_trained_run_reads_each_example_twice_and_resumes_mid_epoch(tmp_path, capsys):
     data = _jsonl(tmp_path / "rows.jsonl", 42)  # 40 to train on, 2 held out
 
@@ -137,6 +138,7 @@ def test_a_trained_run_reads_each_example_twice_and_resumes_mid_epoch(tmp_path, 
     assert train_records(parted) == records
 
 
+@pytest.mark.slow  # trains past a few steps
 def test_pretraining_epochs_in_steps(tmp_path, capsys):
     data = markov_npy(tmp_path / "markov.npy", 16 * 80 + 1, seed=3)
     config = TrainConfig(

@@ -137,6 +137,7 @@ def _same_weights(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow  # trains past a few steps
 def test_save_best_exports_the_step_of_the_lowest_eval_loss(best_run, files):
     out, summary = best_run
     evals = _evals(out)
@@ -161,6 +162,7 @@ def test_the_closing_line_names_the_best_step(tmp_path, files, capsys):
     assert line.endswith("exported to best/")
 
 
+@pytest.mark.slow  # trains past a few steps
 def test_a_resumed_run_keeps_the_best(tmp_path, files, best_run):
     straight, summary = best_run
     out = tmp_path / "parted"

@@ -355,6 +355,7 @@ def test_a_run_whose_first_checkpoint_cannot_be_written_stops_at_its_step(tmp_pa
     assert checkpoint.step_folders(str(out)) == [] and not (out / "model.pt").exists()
 
 
+@pytest.mark.slow  # trains past a few steps
 def test_a_checkpoint_failing_mid_run_stops_it_and_the_previous_one_stays(tmp_path, data):
     out = tmp_path / "run"
     config = TrainConfig(

@@ -66,6 +66,7 @@ def records(out) -> list[dict]:
             for r in found]  # fmt: skip
 
 
+@pytest.mark.slow  # trains past a few steps
 def test_resume_mid_generation_is_bit_for_bit(tmp_path, rewards):
     # two steps per generation: stopped after step 1, the checkpoint holds the generation
     # whose second window step 2 trains on, with the sampling log-probs (the clip acts)
@@ -161,6 +162,7 @@ def test_pretraining_data_is_refused_naming_grpo_and_what_it_reads(tmp_path, cap
     assert "--task sft" not in line and not out.exists()
 
 
+@pytest.mark.slow  # 16 steps
 def test_the_policy_learns_what_the_reward_asks(tmp_path, rewards):
     # From the random start a completion holds an "a" about once in 257 draws; the reward
     # is the share of "a" in it. Sixteen steps of GRPO make "a" the model's usual draw: the

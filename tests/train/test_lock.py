@@ -51,6 +51,7 @@ def test_a_lock_taken_as_its_holder_releases_it_is_taken_on_the_file_at_the_path
     assert not os.path.exists(os.path.join(out, LOCK_FILE))
 
 
+@pytest.mark.slow  # a process holds the lock
 def test_resume_on_a_folder_a_live_run_holds_names_that_run(tmp_path, capsys):
     # The other run holds the lock and has no checkpoint yet: it is in use, not empty.
     out = str(tmp_path / "run")

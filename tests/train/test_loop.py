@@ -50,6 +50,7 @@ def params(out) -> dict:
     return torch.load(os.path.join(out, "model.pt"), weights_only=True)
 
 
+@pytest.mark.slow  # 60 steps
 def test_a_short_run_learns_from_about_ln_v(tmp_path, markov_npy):
     floor = MarkovCorpus().entropy_rate
     summary = train(
@@ -68,6 +69,7 @@ def test_a_short_run_learns_from_about_ln_v(tmp_path, markov_npy):
     assert not any(r["skipped"] for r in train_lines)
 
 
+@pytest.mark.slow  # trains past a few steps
 def test_resume_is_bit_exact(tmp_path, markov_npy):
     whole, split = tmp_path / "whole", tmp_path / "split"
     train(tiny(whole, markov_npy))
@@ -85,6 +87,7 @@ def test_resume_is_bit_exact(tmp_path, markov_npy):
     assert all(torch.equal(pa[k], pb[k]) for k in pa)
 
 
+@pytest.mark.slow  # trains past a few steps
 def test_accumulated_run_equals_the_big_batch_run(tmp_path, markov_npy):
     # b 4 x k 2 reads the same 8 sequences per step as b 8 x k 1 (the data order is by
     # global batch), so the two runs must agree to fp32 rounding.

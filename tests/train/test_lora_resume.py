@@ -51,6 +51,7 @@ def base_tensors(model) -> dict:
     }
 
 
+@pytest.mark.slow  # trains past a few steps
 def test_checkpoint_holds_adapters_only_and_resume_is_bit_for_bit(tmp_path, data, monkeypatch):
     seen = {}
     real_attach, real_export = adapters.attach, adapters.export

@@ -70,6 +70,7 @@ def sft_config(out, **kw) -> TrainConfig:
     return TrainConfig(**{**base, **kw})
 
 
+@pytest.mark.slow  # trains past a few steps
 def test_sft_with_lora_saves_adapters_only_and_resumes_bit_for_bit(tmp_path):
     straight, halves = tmp_path / "straight", tmp_path / "halves"
     train(sft_config(straight))

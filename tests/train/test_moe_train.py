@@ -144,6 +144,7 @@ def test_a_dense_run_has_no_balance(tmp_path, data):
     assert summary["moe_balance"] is None and summary["final_moe_lbl"] is None
 
 
+@pytest.mark.slow  # trains past a few steps
 def test_global_previous_resumes_exactly(tmp_path, data, capsys):
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     settings = dict(moe_balance="global-previous", max_steps=5)

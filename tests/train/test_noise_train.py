@@ -1,6 +1,8 @@
 """`gradaccum train --noise-scale`: the critical batch in metrics.jsonl, the plot and the last
 line, continued exactly by a resume."""
 
+import contextlib
+import io
 import os
 import struct
 
@@ -37,6 +39,17 @@ def small(out, data, **kw) -> TrainConfig:
     return TrainConfig(**base)
 
 
+@pytest.fixture(scope="module")
+def noise_run(tmp_path_factory, data):
+    """The 6-step run with the estimate on (`small`), made once for the tests that read it:
+    its folder, its summary and what it printed."""
+    out = tmp_path_factory.mktemp("noise") / "on"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        summary = train(small(out, data))
+    return out, summary, printed.getvalue()
+
+
 def train_lines(out) -> list[dict]:
     return [r for r in read_metrics(os.path.join(out, "metrics.jsonl")) if "eval_loss" not in r]
 
@@ -48,11 +61,12 @@ def png_height(path) -> int:
     return struct.unpack(">I", head[20:24])[0]
 
 
+@pytest.mark.slow  # trains past a few steps
 def test_every_window_logs_the_noise_scale_and_the_run_ends_with_the_critical_batch(
-    tmp_path, data, capsys
+    tmp_path, data, noise_run, capsys
 ):
-    summary = train(small(tmp_path / "on", data))
-    lines = train_lines(tmp_path / "on")
+    on, summary, printed = noise_run
+    lines = train_lines(on)
     assert [r["step"] for r in lines] == list(range(1, 7))
     # 4 micro-batches of 2 sequences of 32 tokens: an estimate from the first window on
     assert all(isinstance(r["noise_scale_tokens"], float) for r in lines)
@@ -61,7 +75,7 @@ def test_every_window_logs_the_noise_scale_and_the_run_ends_with_the_critical_ba
             assert r["noise_scale_sequences"] == pytest.approx(r["noise_scale_tokens"] / 32)
     last = lines[-1]["noise_scale_tokens"]
     assert summary["noise_scale_tokens"] == last
-    said = [x for x in capsys.readouterr().out.splitlines() if x.startswith("critical batch")]
+    said = [x for x in printed.splitlines() if x.startswith("critical batch")]
     assert len(said) == 1
     assert said[0].startswith(
         f"critical batch about {fmt_count(last)} tokens (noise scale), "
@@ -73,7 +87,7 @@ def test_every_window_logs_the_noise_scale_and_the_run_ends_with_the_critical_ba
     assert "critical batch" not in capsys.readouterr().out
     # the estimate gets its own panel below the losses: a taller figure
     if os.path.exists(tmp_path / "off" / "loss.png"):
-        assert png_height(tmp_path / "on" / "loss.png") > png_height(tmp_path / "off" / "loss.png")
+        assert png_height(on / "loss.png") > png_height(tmp_path / "off" / "loss.png")
 
 
 def test_one_micro_batch_per_window_gives_no_estimate_and_no_last_line(tmp_path, data, capsys):
@@ -83,9 +97,9 @@ def test_one_micro_batch_per_window_gives_no_estimate_and_no_last_line(tmp_path,
     assert "critical batch" not in capsys.readouterr().out
 
 
-def test_a_resumed_run_continues_the_estimate_exactly(tmp_path, data):
-    whole, split = tmp_path / "whole", tmp_path / "split"
-    train(small(whole, data))
+@pytest.mark.slow  # trains past a few steps
+def test_a_resumed_run_continues_the_estimate_exactly(tmp_path, data, noise_run):
+    whole, split = noise_run[0], tmp_path / "split"
     stopped = train(small(split, data), should_stop=lambda step: step >= 3)
     assert stopped["steps"] == 3
     resumed = train(small(split, data, resume=True))

@@ -124,6 +124,7 @@ def test_first_step_is_the_same_in_every_mode_hugging_face(tmp_path, make_hf_fol
     _check_modes(lines, _reference(ref, model))
 
 
+@pytest.mark.slow  # trains past a few steps
 @pytest.mark.parametrize("mode", ["window", "padding-free"])
 def test_resume_with_packing_is_bit_for_bit(tmp_path, ragged, mode):
     def run(out, **kw):

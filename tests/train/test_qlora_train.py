@@ -86,6 +86,7 @@ def _logits(model, ids) -> torch.Tensor:
     return (out if isinstance(out, torch.Tensor) else out.logits).float()
 
 
+@pytest.mark.slow  # 30 steps
 @pytest.mark.parametrize("arch", ["llama", "gpt"])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_trains_on_a_quantised_base_and_exports_for_peft(
@@ -183,6 +184,7 @@ def test_activation_checkpointing_gives_the_same_first_step(tmp_path, make_hf_fo
     assert recomputed["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-5)
 
 
+@pytest.mark.slow  # trains past a few steps
 def test_resume_is_bit_for_bit(tmp_path, make_hf_folder):
     folder = make_hf_folder("llama")
     straight = _config(tmp_path, "llama", folder, 4, name="straight", max_steps=4, save_every=2)
@@ -267,6 +269,7 @@ def test_merge_into_a_gpt2_folder_transposes_back_to_conv1d(
     assert "merged/: the adapters folded into the dequantised base, saved in float32" in said
 
 
+@pytest.mark.slow  # trains past a few steps
 @pytest.mark.parametrize(("arch", "bits"), [("gpt", 4), ("gpt", 8), ("llama", 4), ("llama", 8)])
 def test_an_evaluation_changes_nothing_training_computes(tmp_path, make_hf_folder, arch, bits):
     """Evaluating runs the base in eval mode, where bitsandbytes on an AVX512-BF16 CPU repacks

@@ -110,6 +110,7 @@ def test_a_budget_below_one_example_is_said_at_the_start(tmp_path, capsys):
     assert "warning" not in capsys.readouterr().out
 
 
+@pytest.mark.slow  # trains past a few steps
 def test_resume_is_bit_for_bit(tmp_path, ragged):
     def run(out, **kw):
         return train(

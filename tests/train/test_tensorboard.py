@@ -86,6 +86,7 @@ def same(events, lines) -> bool:
     )
 
 
+@pytest.mark.slow  # trains past a few steps
 def test_a_run_with_tensorboard_logs_what_metrics_jsonl_holds(tmp_path):
     out = tmp_path / "run"
     assert main(run_argv(out, "--noise-scale")) == 0
@@ -98,6 +99,7 @@ def test_a_run_with_tensorboard_logs_what_metrics_jsonl_holds(tmp_path):
     assert len(noise) == 6 and same(got["train/noise_scale_tokens"], noise)
 
 
+@pytest.mark.slow  # trains past a few steps
 def test_a_resume_rewrites_the_steps_past_its_checkpoint_once(tmp_path):
     out = tmp_path / "run"
     assert main(run_argv(out, "--save-every", "2", "--max-steps", "4")) == 0
