@@ -190,6 +190,7 @@ def _save_peaks(info, out: str) -> dict:
     return {"weights": weights, "moments": moments, "sharded": saved, "gathered": gathered}
 
 
+@pytest.mark.slow
 def test_each_rank_writes_its_share_and_rank_0_holds_little_while_saving(tmp_path):
     """4 ranks save `Blocks` sharded. Rank r's file (rank 0's with dcp's .metadata) is
     within 10% of the state / 4, the state counted from the model's own parameters (weights

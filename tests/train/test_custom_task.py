@@ -54,6 +54,7 @@ def test_the_window_gradient_is_the_float64_big_batch(monkeypatch):
     assert scale > 0 and worst <= 1e-5 * scale, (worst, scale)
 
 
+@pytest.mark.slow  # a subprocess: the CLI as a user runs it
 def test_a_class_that_is_no_task_is_refused_in_one_line(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "gradaccum", "train", "--task", "examples.custom_task:Stream",
