@@ -1,30 +1,36 @@
 """What a person sees while a run trains, the clock its times come from, and how they stop
 it.
 
-Text goes to stdout, or to stderr under --json so that stdout carries only the summary
-object. The live bar (tqdm) goes to stderr when stderr is a terminal; otherwise (a log file,
+Text goes through the logger "gradaccum.train" (`gradaccum.utils.reporting`: by default each
+line on stdout, or on stderr under --json so that stdout carries only the summary object; a
+program can route or silence it). The live bar (tqdm) goes to stderr when stderr is a terminal; otherwise (a log file,
 CI) a plain line is printed about 10 s in, then every tenth of the run or every 30 s,
 whichever comes first (`Progress`).
 """
 
 from __future__ import annotations
 
+import logging
 import signal
 import sys
 import threading
 import time
 
+from gradaccum.utils import reporting
+
+LOG = logging.getLogger("gradaccum.train")
+
 
 class Console:
-    """Prints for rank 0 only; `quiet` (--json) sends text to stderr instead of stdout."""
+    """Says for rank 0 only, through `LOG`; `quiet` (--json) marks the lines for stderr."""
 
     def __init__(self, enabled: bool = True, quiet: bool = False):
         self.enabled = enabled
-        self.stream = sys.stderr if quiet else sys.stdout
+        self.extra = {reporting.TO_STDERR: quiet}
 
     def say(self, text: str = "") -> None:
         if self.enabled:
-            print(text, file=self.stream, flush=True)
+            LOG.info(text, extra=self.extra)
 
 
 FIRST_LINE_S = 10.0

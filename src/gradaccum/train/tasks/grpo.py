@@ -10,6 +10,7 @@ from dataclasses import replace
 from gradaccum import rl
 from gradaccum.train import grpo, parts, sft
 from gradaccum.train.checks import WARM_START
+from gradaccum.train.console import Console
 from gradaccum.train.tasks.protocol import Begin, TaskBase, TaskWindow
 from gradaccum.train.tasks.rules import GRPORules
 from gradaccum.utils.errors import BadInput
@@ -42,8 +43,8 @@ class PolicyOptimization(TaskBase):
                                 resume=bool(step_folders(folder)), json=config.json,
                                 device=config.device, precision=config.precision)  # fmt: skip
             if rank_info.rank == 0 and not config.json:
-                print(f"grpo: no --init-from: first {WARM_START_STEPS} steps of SFT on the "
-                      f"built-in set in {folder}, then GRPO from that model", flush=True)  # fmt: skip
+                Console().say(f"grpo: no --init-from: first {WARM_START_STEPS} steps of SFT "
+                              f"on the built-in set in {folder}, then GRPO from that model")  # fmt: skip
             summary = run_stage(stage)
             if summary.get("stopped"):
                 return config, summary
