@@ -29,6 +29,7 @@ def as_settings(argv: list[str]) -> dict:
     return settings
 
 
+@pytest.mark.slow  # trains end to end, twice
 def test_a_yaml_file_trains_the_same_first_steps_as_the_same_flags(tmp_path, capsys):
     flags_out, file_out = tmp_path / "flags", tmp_path / "file"
     assert main(["train", *TRAIN, "--out", str(flags_out)]) == 0
@@ -40,6 +41,7 @@ def test_a_yaml_file_trains_the_same_first_steps_as_the_same_flags(tmp_path, cap
     assert len(first) == 2 and first == second  # loss, grad norm, lr: bit for bit
 
 
+@pytest.mark.slow  # trains end to end, twice
 def test_a_runs_config_yaml_reproduces_its_first_step_bit_for_bit(tmp_path, capsys):
     run, again = tmp_path / "run", tmp_path / "again"
     argv = ["--task", "sft", "--examples-per-step", "8", "--micro-batch", "4", "--seq-len", "64",

@@ -34,6 +34,7 @@ def run(out, extra) -> list[dict]:
     return first_records(out)
 
 
+@pytest.mark.slow  # two models trained with and without checkpointing
 @pytest.mark.parametrize("arch", ["gpt", "llama"])
 def test_activation_checkpointing_gives_the_adapters_the_same_gradients(
     tmp_path, make_hf_folder, capsys, arch
