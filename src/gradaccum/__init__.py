@@ -1,10 +1,6 @@
 """gradaccum: gradient accumulation for PyTorch, exact over tokens, planned and measured."""
 
-from gradaccum.utils import reporting as _reporting
-
 __version__ = "0.1.0"
-
-_reporting.configure()  # what the library says, through logging (`gradaccum.utils.reporting`)
 
 __all__ = ["Accumulator", "StepResult", "verify", "windows", "__version__"]
 

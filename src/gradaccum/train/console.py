@@ -18,6 +18,7 @@ import time
 
 from gradaccum.utils import reporting
 
+reporting.configure()  # the package logger's own handler, once, before a program changes it
 LOG = logging.getLogger("gradaccum.train")
 
 

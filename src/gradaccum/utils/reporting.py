@@ -12,7 +12,8 @@ logging instead, or to silence them:
     log.handlers.clear(); log.propagate = True    # your handlers (the root's) receive them
     log.setLevel(logging.WARNING)                 # or: no progress, start or end lines
 
-No torch here."""
+`configure` runs when the trainer's console module is imported (`gradaccum.train.console`), not
+at `import gradaccum`: building settings or planning imports no logging. No torch here."""
 
 from __future__ import annotations
 
