@@ -25,8 +25,6 @@ from . import helpers
 from .helpers import without_timing
 from .small_run import latest_checkpoint, small_config, train_until
 
-pytestmark = pytest.mark.slow  # end-to-end runs: minutes on two loaded cores
-
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
@@ -77,6 +75,7 @@ def losses(out) -> dict[int, float]:
 # ---- issue 10 item 2: a resume records only what it does ------------------------------------
 
 
+@pytest.mark.slow  # trains past a few steps
 def test_a_changed_weight_decay_is_applied_recorded_and_printed(
     tmp_path, four_of_six, whole, capsys
 ):
@@ -92,6 +91,7 @@ def test_a_changed_weight_decay_is_applied_recorded_and_printed(
     assert losses(out)[5] == losses(whole)[5] and losses(out)[6] != losses(whole)[6]
 
 
+@pytest.mark.slow  # trains past a few steps
 def test_a_changed_lr_is_applied_from_the_step_reached(tmp_path, four_of_six, capsys):
     out = copy_of(four_of_six, tmp_path)
     capsys.readouterr()
@@ -103,6 +103,7 @@ def test_a_changed_lr_is_applied_from_the_step_reached(tmp_path, four_of_six, ca
     assert lrs[5] == pytest.approx(1e-3 * cosine(4)) and lrs[6] == pytest.approx(1e-3 * cosine(5))
 
 
+@pytest.mark.slow  # trains past a few steps
 def test_a_longer_run_keeps_the_trained_schedule_and_stretches_the_rest(
     tmp_path, four_of_six, capsys
 ):
@@ -121,6 +122,7 @@ def test_a_longer_run_keeps_the_trained_schedule_and_stretches_the_rest(
     assert lrs[5] < lrs[4]
 
 
+@pytest.mark.slow  # trains past a few steps
 def test_a_resume_prints_a_changed_micro_batch_and_nothing_when_unchanged(
     tmp_path, four_of_six, capsys
 ):
@@ -137,6 +139,7 @@ def test_a_resume_prints_a_changed_micro_batch_and_nothing_when_unchanged(
     )
 
 
+@pytest.mark.slow  # trains past a few steps
 def test_the_model_comes_from_the_checkpoint_not_from_an_edited_config(tmp_path, data, capsys):
     transformers = pytest.importorskip("transformers")
     config_dir = tmp_path / "cfg"
@@ -154,6 +157,7 @@ def test_the_model_comes_from_the_checkpoint_not_from_an_edited_config(tmp_path,
     assert not any(k.startswith("transformer.h.2.") for k in weights)
 
 
+@pytest.mark.slow  # trains past a few steps
 def test_other_data_is_refused_unless_allowed(tmp_path, data, four_of_six, capsys):
     out = copy_of(four_of_six, tmp_path)
     capsys.readouterr()
@@ -205,6 +209,7 @@ def test_a_refusal_says_what_the_run_was_trained_with_in_flags(
     assert "None" not in line
 
 
+@pytest.mark.slow  # two steps of 8,192 tokens
 def test_a_schedule_refused_on_resume_names_the_batch_it_trained_at(tmp_path, data, capsys):
     out = tmp_path / "run"
     # no --tokens-per-step: the default 8,192 tokens per step, 2 steps
@@ -257,6 +262,7 @@ DAMAGE = {
 }
 
 
+@pytest.mark.slow  # trains past a few steps
 @pytest.mark.parametrize("case", list(DAMAGE))
 def test_a_damaged_newest_checkpoint_falls_back_in_one_line(
     tmp_path, four_of_six, whole, capsys, case
@@ -278,6 +284,7 @@ def test_no_intact_checkpoint_exits_2_in_one_line(tmp_path, four_of_six, capsys)
     assert f"--resume {out}: no intact checkpoint" in line and "step-00000002" in line
 
 
+@pytest.mark.slow  # trains past a few steps
 def test_keep_checkpoints_keeps_the_newest_n(tmp_path, four_of_six, whole):
     def names(out):
         return sorted(e for e in os.listdir(out / "checkpoints") if e.startswith("step-"))
@@ -291,6 +298,7 @@ def test_keep_checkpoints_keeps_the_newest_n(tmp_path, four_of_six, whole):
 # ---- also here: the disk fills during a checkpoint write --------------------------------------
 
 
+@pytest.mark.slow  # trains past a few steps
 def test_a_full_disk_stops_the_run_keeping_the_previous_checkpoint_and_resume_is_exact(
     tmp_path, data, whole, monkeypatch
 ):
