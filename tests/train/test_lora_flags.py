@@ -108,7 +108,10 @@ def _row(output: str, name: str) -> float:
     return _bytes(match.group(1))
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "precision",
+    ["fp32", pytest.param("bf16", marks=pytest.mark.slow)],  # bf16 on CPU: 14 s for one step
+)
 def test_the_start_names_targets_and_trainable_count_and_plans_the_frozen_base(
     capsys, tmp_path, precision
 ):
@@ -173,6 +176,7 @@ def test_micro_batch_auto_probes_the_frozen_base(capsys, tmp_path, monkeypatch):
     assert seen["numel"] == seen["optimized"] == tiny_adapters(2)
 
 
+@pytest.mark.slow  # a probe at --seq-len 128, then 500 held-out examples answered greedily
 def test_sft_micro_batch_auto_probes_the_frozen_base_at_full_width(capsys, tmp_path, monkeypatch):
     """--task sft with --micro-batch auto measures (it does not take the estimate): the probe
     sees the adapters alone trainable and micro-batches of full --seq-len rows, the widest a

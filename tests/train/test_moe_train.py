@@ -243,6 +243,7 @@ def _check_sft_run(out, summary: dict, layers: int, experts: int, top_k: int) ->
     assert summary["final_moe_lbl"] == records[-1]["moe_lbl"] > 0
 
 
+@pytest.mark.slow  # the built-in set: 500 held-out examples answered greedily
 def test_sft_on_the_builtin_moe_gpt(tmp_path):
     out = tmp_path / "run"
     config = TrainConfig(

@@ -45,6 +45,7 @@ def check_plan(summary: dict, records: list[dict]) -> None:
     assert plan["total_counted_tokens"] == sum(r["counted_tokens"] for r in records)
 
 
+@pytest.mark.slow  # 30 steps
 @pytest.mark.parametrize("packing", ["none", "window", "padding-free"])
 def test_the_plan_of_the_builtin_set_is_the_runs(tmp_path, packing):
     out = tmp_path / "run"
@@ -55,6 +56,7 @@ def test_the_plan_of_the_builtin_set_is_the_runs(tmp_path, packing):
     assert summary["plan"]["examples"]["median"] == 32 == records[0]["examples"]
 
 
+@pytest.mark.slow  # 30 steps
 @pytest.mark.parametrize("packing", ["none", "window", "padding-free"])
 def test_the_plan_of_long_tailed_rows_is_the_runs(tmp_path, packing):
     data = long_tail_rows(tmp_path / "rows.jsonl")
