@@ -3,7 +3,9 @@ kernel hub for a fused kernel (`kernels.get_kernel`): a lookup, a warning on eve
 on a networked machine a download of code. Here a process of its own takes that CPU's path
 (tests/avx512bf16.py, the detection itself forced) with every connection off the machine
 refused and recorded (tests/network.py): a QLoRA run with evaluations makes no attempt and
-prints no warning, while the same harness records the lookup of a bare `import peft`."""
+prints no warning, while the same harness records the lookup of a bare `import bitsandbytes`
+(what peft before 0.22 made at its own import, and peft or trl still make when they load a
+4-bit layer)."""
 
 from __future__ import annotations
 
@@ -41,9 +43,20 @@ def _run(code: str, *argv: str) -> subprocess.CompletedProcess:
 
 
 def test_the_harness_sees_the_kernel_hub_lookup_nothing_stops():
-    done = _run("import peft")
+    done = _run("import bitsandbytes")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "network attempts: []" not in done.stderr, done.stderr[-2000:]
+    assert "huggingface.co" in done.stderr, done.stderr[-2000:]
+
+
+def test_gradaccum_imports_bitsandbytes_with_no_lookup():
+    """The same import, made the way gradaccum makes it (before peft, trl or a 4-bit layer of
+    its own), reaches no network and prints none of the hub's words."""
+    code = "from gradaccum.models.quantized import require_bitsandbytes; require_bitsandbytes(4)"
+    done = _run(code + "; import peft")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "network attempts: []" in done.stderr, done.stderr[-2000:]
+    assert not [w for w in HUB_WORDS if w in done.stdout + done.stderr], done.stderr[-2000:]
 
 
 def test_a_qlora_run_with_evaluations_reaches_no_network(tmp_path):
