@@ -15,13 +15,12 @@ mean whatever the micro-batch, k or number of ranks (docs/tasks.md).
 from __future__ import annotations
 
 import hashlib
-from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
 from gradaccum.data.tokens import DataInfo
-from gradaccum.train.tasks import TaskBase, TaskData, TaskRules
+from gradaccum.train.tasks import BatchRequest, TaskBase, TaskData, TaskRules
 
 VOCAB = 64
 """Token ids of the examples, and the model's vocabulary."""
@@ -104,13 +103,13 @@ class MajorityClass(TaskBase):
                         digest.hexdigest())  # fmt: skip
         return TaskData(train, val, info)
 
-    def plan_config(self, data: TaskData, model, say):
+    def batch_request(self, data: TaskData, model, say) -> BatchRequest:
         """k = ACCUM_STEPS micro-batches a step unless --accum-steps or --tokens-per-step
         (sequences x --seq-len) says otherwise."""
-        config = self.config
-        if config.accum_steps is None and config.tokens_per_step is None:
-            return replace(config, accum_steps=ACCUM_STEPS)
-        return config
+        request = BatchRequest.of(self.config)
+        if request.accum_steps is None and request.tokens_per_step is None:
+            return request.but(accum_steps=ACCUM_STEPS)
+        return request
 
     def stream(self, data: TaskData, micro_batch: int) -> Stream:
         rank, world = self.rank_info.rank, self.rank_info.world_size

@@ -19,6 +19,7 @@ from gradaccum.plan.presets import custom
 from gradaccum.plan.quantized import linear_weights
 from gradaccum.plan.table import memory_rows
 from gradaccum.train import adapters
+from gradaccum.train.batch_request import BatchRequest
 from gradaccum.train.config import TrainConfig
 from gradaccum.train.resolve import base_linear_weights, resolve_run
 
@@ -137,7 +138,7 @@ def test_the_run_plans_its_own_model_s_linear_layers(llama_folder, which):
         accum_steps=2, max_steps=3,
     )  # fmt: skip
     rank = RankInfo(0, 1, 0, torch.device("cpu"), None, False)
-    plan = resolve_run(config, config, info, rank).plan
+    plan = resolve_run(config, BatchRequest.of(config), info, rank).plan
     assert plan.base_bits == 4
     assert round(plan.memory.frozen_base_gb * 1e9) == -(-expected[0] * 2113 // 4096)
     held = stored_bytes(model)
@@ -167,7 +168,7 @@ def test_a_bf16_run_holds_the_rest_and_the_adapters_in_fp32(tmp_path, bits):
     floats = {p.dtype for p in model.parameters() if p.is_floating_point()}
     assert floats == {torch.float32}  # nothing left in bf16
     rank = RankInfo(0, 1, 0, torch.device("cpu"), None, False)
-    memory = resolve_run(run, run, info, rank).plan.memory
+    memory = resolve_run(run, BatchRequest.of(run), info, rank).plan.memory
     rest = LLAMA_PARAMS + LLAMA_ADAPTERS - LLAMA_LINEAR
     packed = -(-LLAMA_LINEAR * 2113 // 4096) if bits == 4 else LLAMA_LINEAR + 4 * LLAMA_ROWS
     assert round(memory.params_gb * 1e9) == packed + 4 * rest

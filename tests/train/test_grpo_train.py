@@ -276,7 +276,7 @@ def test_epochs_are_passes_over_the_prompts(epochs, prompts_per_step, max_steps,
     cfg = TrainConfig(task="grpo", epochs=epochs, prompts_per_step=prompts_per_step,
                       max_steps=max_steps, micro_batch=4, num_generations=2)  # fmt: skip
     assert cfg.max_steps == max_steps  # --epochs leaves the task's default length out
-    assert grpo.plan_config(cfg, 1, 10).max_steps == steps
+    assert grpo.batch_request(cfg, 1, 10).max_steps == steps
 
 
 @pytest.mark.slow

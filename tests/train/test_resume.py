@@ -231,10 +231,10 @@ def test_a_device_count_that_cannot_split_the_step_is_refused_naming_the_numbers
         },
     )
     config = TrainConfig(out="run", seq_len=32, micro_batch=4, accum_steps=2, resume=True)
-    four = resume.batch_config(config, ckpt, world_size=4)
+    four = resume.batch_request(config, ckpt, world_size=4)
     assert (four.micro_batch, four.accum_steps) == (4, 1)  # 4 x 32 x 1 x 4 = 512
     with pytest.raises(BadInput) as err:
-        resume.batch_config(config, ckpt, world_size=3)
+        resume.batch_request(config, ckpt, world_size=3)
     assert "512 tokens per step" in str(err.value) and "3 device(s)" in str(err.value)
     assert "16 sequences" in str(err.value)
 

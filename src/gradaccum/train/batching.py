@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass
 
 from gradaccum.plan.batch_schedule import BatchSchedule, k_for, lr_multiplier, phases
+from gradaccum.train.batch_request import BatchRequest
 from gradaccum.train.config import AUTO, TrainConfig, read_schedule
 from gradaccum.train.schedule import Schedule
 from gradaccum.utils.errors import BadInput
@@ -157,11 +158,13 @@ class Auto(Fixed):
         self.last_growth = int(state["last_growth"])
 
 
-def targets(config: TrainConfig) -> tuple[int | None, int | None, str]:
+def targets(
+    config: TrainConfig, request: BatchRequest | None = None
+) -> tuple[int | None, int | None, str]:
     """(the first window's tokens per step, the smallest any window takes, the flag that
     set them): a batch schedule's first and smallest targets (`auto`: --min-tokens-per-step),
-    else --tokens-per-step (`TrainConfig.target_tokens_per_step`: None when --accum-steps
-    alone sets the batch)."""
+    else the tokens per step of `request` (a `BatchRequest`; None: the settings'), None when
+    k alone sets the batch (`target_tokens_per_step`)."""
     schedule = read_schedule(config.batch_schedule)
     if schedule == AUTO:
         low = config.auto_batch[0]
@@ -169,7 +172,7 @@ def targets(config: TrainConfig) -> tuple[int | None, int | None, str]:
     if schedule is not None:
         flag = f"--batch-schedule {config.batch_schedule}"
         return int(schedule.target(0)), schedule.smallest_target(), flag
-    target = config.target_tokens_per_step
+    target = (request or config).target_tokens_per_step
     return target, target, f"--tokens-per-step {target}"
 
 

@@ -2,7 +2,8 @@
 anything is written to --out.
 
 `fresh` makes a new run: its task, the task's data, a new model, the batch planned from the
-config the task plans with (`--micro-batch auto` measured where it is left to choose).
+request the task makes (`BatchRequest`: `--micro-batch auto` measured where it is left to
+choose); the settings themselves are never changed.
 `resumed` continues the run in --out from its newest intact checkpoint: its model as trained,
 the plan the checkpoint's batch gives on this number of ranks, the changes a resume allows
 judged and named (`notes`), the rest restored. Both hand `Run` the same parts, so both train
@@ -55,8 +56,8 @@ def fresh(config: TrainConfig, rank_info: RankInfo) -> Built:
     torch.manual_seed(config.seed)
     data = task.load_data()
     model, model_info = parts.new_model(config, data.info, rank_info.device)
-    plan_config = task.plan_config(data, model, console.say)
-    resolved = resolve_run(config, plan_config, model_info, rank_info, task.epoch_tokens(data))
+    request = task.batch_request(data, model, console.say)
+    resolved = resolve_run(config, request, model_info, rank_info, task.epoch_tokens(data))
     batch = BatchState.planned(config, resolved, rank_info.world_size)
     schedule = batch.lr_schedule(config, resolved)
     outputs = Outputs(config, rank_info, resolved.shards_model)
@@ -75,10 +76,10 @@ def resumed(config: TrainConfig, rank_info: RankInfo) -> Built:
     data = task.load_data()
     model, model_info = parts.checkpoint_model(config, data.info, ckpt.path, rank_info.device)
     notes = resume.check_data(config, ckpt, data.info)
-    plan_config = task.resume_plan_config(data, ckpt)
-    if plan_config is None:  # the checkpoint's batch
-        plan_config = resume.batch_config(config, ckpt, rank_info.world_size)
-    resolved = resolve_run(config, plan_config, model_info, rank_info, task.epoch_tokens(data))
+    request = task.resume_batch_request(data, ckpt)
+    if request is None:  # the checkpoint's batch
+        request = resume.batch_request(config, ckpt, rank_info.world_size)
+    resolved = resolve_run(config, request, model_info, rank_info, task.epoch_tokens(data))
     batch = BatchState.planned(config, resolved, rank_info.world_size)
     schedule, length_notes = resume.lr_schedule(config, ckpt, resolved, batch)
     notes += length_notes + resume.batch_lines(ckpt, batch)

@@ -43,8 +43,8 @@ from gradaccum.grpo.sampling import sample
 from gradaccum.parallel import collectives, devices
 from gradaccum.train.config import TrainConfig
 from gradaccum.train.grpo_plan import (  # noqa: F401 - the plan of a run, here too
+    batch_request,
     length_line,
-    plan_config,
     plan_lines,
     prompts_per_step,
 )

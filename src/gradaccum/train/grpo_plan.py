@@ -1,15 +1,15 @@
 """What a --task grpo run plans and says before it starts: the config its batch is planned
-with (`plan_config`), the lines that say what a step holds and how the loss divides
+with (`batch_request`), the lines that say what a step holds and how the loss divides
 (`plan_lines`), and its length (`length_line`)."""
 
 from __future__ import annotations
 
-import copy
 import math
 
 from gradaccum.grpo.rewards import RewardFn
 from gradaccum.grpo.settings import DEFAULT_PROMPTS_PER_STEP
 from gradaccum.train import epochs
+from gradaccum.train.batch_request import BatchRequest
 from gradaccum.train.config import TrainConfig
 from gradaccum.train.epochs import epoch_stop
 
@@ -19,19 +19,18 @@ def prompts_per_step(config: TrainConfig) -> int:
     return config.prompts_per_step or DEFAULT_PROMPTS_PER_STEP
 
 
-def plan_config(config: TrainConfig, world_size: int, prompts: int) -> TrainConfig:
-    """The config `resolve_plan` plans a GRPO run over `prompts` training prompts with: each
+def batch_request(config: TrainConfig, world_size: int, prompts: int) -> BatchRequest:
+    """The batch `resolve_plan` plans a GRPO run over `prompts` training prompts with: each
     step's prompts x completions as sequences of --seq-len (no row is wider), k =
     ceil(completions per rank / micro-batch); with --epochs, the steps that many passes over
     the prompts take (`epoch_steps`), or --max-steps where it ends first."""
     micro = config.micro_batch
     rows = prompts_per_step(config) * config.num_generations
     k = max(1, math.ceil(rows / (micro * world_size)))
-    planned = copy.copy(config)  # not `replace`: --tokens-per-step is refused with --task grpo
-    planned.tokens_per_step = k * micro * world_size * config.seq_len
+    planned = BatchRequest.of(config).but(tokens_per_step=k * micro * world_size * config.seq_len)
     if config.epochs is not None:
         steps = epoch_steps(config, prompts)
-        planned.max_steps = min(steps, config.max_steps or steps)
+        planned = planned.but(max_steps=min(steps, config.max_steps or steps))
     return planned
 
 

@@ -26,7 +26,6 @@ changes it (`BatchState.shrink`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 
 import numpy as np
 import torch
@@ -38,6 +37,7 @@ from gradaccum.parallel import devices
 from gradaccum.parallel.process_group import RankInfo
 from gradaccum.plan import PlanInputs, make_plan
 from gradaccum.train import parts
+from gradaccum.train.batch_request import BatchRequest
 from gradaccum.train.batching import targets
 from gradaccum.train.config import AUTO, TrainConfig
 from gradaccum.train.rundir import checkpoint
@@ -68,8 +68,8 @@ def measure(
     data: parts.Data,
     rank_info: RankInfo,
     say: Callable[[str], None],
-) -> TrainConfig:
-    """`config` with the micro-batch that fits and trains fastest here, probed for at most
+) -> BatchRequest:
+    """The batch of `config` with the micro-batch that fits and trains fastest here, probed for at most
     AUTO_FIT_SECONDS (forward, backward and the run's optimizer step at growing sizes,
     bounded on CPU by CPU_MICRO_TOKENS per micro-batch); its table is printed through `say`.
     The model's weights and the RNG are left as they were, so the run trains as if nothing
@@ -82,7 +82,7 @@ def measure(
         return {k: v.to(device) for k, v in as_batch(rows, data.eod_id).items()}
 
     micro = _probe(config, model, make_batch, targets(config)[1], rank_info, say)
-    return replace(config, micro_batch=micro)
+    return BatchRequest.of(config).but(micro_batch=micro)
 
 
 def measure_sft(
@@ -135,13 +135,13 @@ def _probe(config, model, make_batch, tokens_per_step: int, rank_info, say, fixe
 
 
 def unmeasured(
-    config: TrainConfig, target: int | None, per_rank_seq: int | None, base: dict, device
+    seq_len: int, k: int | None, target: int | None, per_rank_seq: int | None, base: dict, device
 ) -> int:
-    """An `auto` micro-batch settled without measuring: from --accum-steps and the tokens per
-    step `target` when both are there, else by the plan's estimate. `base`: the plan's
+    """An `auto` micro-batch settled without measuring: from k (--accum-steps) and the tokens
+    per step `target` when both are there, else by the plan's estimate. `base`: the plan's
     inputs but the batch (`resolve_plan`'s); `per_rank_seq`: sequences per rank of the
     smallest step."""
-    k, seq_len, world = config.accum_steps, config.seq_len, base["gpus"]
+    world = base["gpus"]
     if target is not None and k is not None:
         micro, rest = divmod(target, seq_len * k * world)
         if rest or micro < 1:

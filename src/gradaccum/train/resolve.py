@@ -1,4 +1,5 @@
-"""From a TrainConfig to the numbers a run trains with: micro-batch, k, steps, warmup.
+"""From a TrainConfig and the batch its task asks for (`BatchRequest`) to the numbers a run
+trains with: micro-batch, k, steps, warmup.
 
 The batch arithmetic is gradaccum.plan's, the same `gradaccum plan` prints: k =
 round(tokens_per_step / (micro_batch x seq_len x world)), at least 1, and the table says how
@@ -8,7 +9,7 @@ measured) is settled here by `micro_batch.unmeasured`, see `gradaccum.train.micr
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -18,6 +19,7 @@ from gradaccum.models.info import ModelInfo
 from gradaccum.parallel import devices, sharding
 from gradaccum.plan import Plan, PlanInputs, make_plan, render_table
 from gradaccum.train import adapters, micro_batch
+from gradaccum.train.batch_request import BatchRequest
 from gradaccum.train.batching import targets
 from gradaccum.train.config import AUTO, TrainConfig
 from gradaccum.train.tasks import rules_of
@@ -78,38 +80,39 @@ class Resolved:
 
 def resolve_run(
     config: TrainConfig,
-    plan_config: TrainConfig,
+    request: BatchRequest,
     model_info,
     rank_info,
     epoch_tokens: int | None = None,
 ) -> Resolved:
-    """The plan of a run of `config` (on `rank_info`'s ranks and device) from `plan_config`
-    (`config` with the batch settled); a schedule's plan is its first batch, its lr rule and
-    its phases. epoch_tokens: a pretraining run's --epochs in tokens
+    """The plan of a run of `config` (on `rank_info`'s ranks and device) for the batch
+    `request` (the task's, `Task.batch_request`); a schedule's plan is its first batch, its
+    lr rule and its phases. epoch_tokens: a pretraining run's --epochs in tokens
     (`epochs.pretrain_epoch_tokens`), rounded up to whole steps as --max-tokens is; with
     --max-steps or --max-tokens too, the run is the shorter."""
     schedule = None if config.batch_schedule == AUTO else config.batch_schedule
     world, device = rank_info.world_size, rank_info.device
-    if epoch_tokens is not None and plan_config.max_steps is None:
-        tokens = min(plan_config.max_tokens or epoch_tokens, epoch_tokens)
-        plan_config = replace(plan_config, max_tokens=tokens)
+    if epoch_tokens is not None and request.max_steps is None:
+        request = request.but(total_tokens=min(request.total_tokens or epoch_tokens, epoch_tokens))
     linears = base_linear_weights(model_info) if config.base_bits else None
-    plan = dict(batch_schedule=schedule, base_linears=linears)
-    resolved = resolve_plan(plan_config, model_info, world, device, **plan)
-    if epoch_tokens is not None and plan_config.max_steps is not None:
+    plan = dict(batch_schedule=schedule, base_linears=linears, request=request)
+    resolved = resolve_plan(config, model_info, world, device, **plan)
+    if epoch_tokens is not None and request.max_steps is not None:
         steps = -(-epoch_tokens // resolved.tokens_per_step)
         if steps < resolved.total_steps:
-            plan_config = replace(plan_config, max_steps=steps)
-            resolved = resolve_plan(plan_config, model_info, world, device, **plan)
+            plan["request"] = request.but(max_steps=steps)
+            resolved = resolve_plan(config, model_info, world, device, **plan)
     return resolved
 
 
-def _no_whole_sequence(config: TrainConfig, flag: str, smallest: int, world_size: int):
+def _no_whole_sequence(
+    config: TrainConfig, request: BatchRequest, flag: str, smallest: int, world_size: int
+):
     """The BadInput for a step of `smallest` tokens below one sequence per rank. Without
     --tokens-per-step (its default in force) the user's --seq-len is what overflowed it, so
     the line names --seq-len and the bound; else the target that was given."""
     seq_len, one_each = config.seq_len, config.seq_len * world_size
-    if config.tokens_per_step is None and config.batch_schedule is None:
+    if request.tokens_per_step is None and config.batch_schedule is None:
         return BadInput(
             "--seq-len",
             seq_len,
@@ -132,15 +135,18 @@ def resolve_plan(
     device: torch.device,
     batch_schedule: str | None = None,
     base_linears: tuple[int, int] | None = None,
+    request: BatchRequest | None = None,
 ) -> Resolved:
     """Micro-batch, k, steps and warmup for `config` on `device`; BadInput if none. A
     --batch-schedule run's batch rows are its first window's. With a (fixed)
     `batch_schedule`, the plan covers the whole run phase by phase with its --lr-rule and
     --lr, as `gradaccum plan --batch-schedule ... --base-lr ... --lr-rule ...` prints it.
     base_linears: with --base-bits, the model's linear layers stored in 4 or 8 bits
-    (`base_linear_weights`); None: the plan counts them from the shape."""
-    seq_len, k = config.seq_len, config.accum_steps
-    target, smallest, flag = targets(config)
+    (`base_linear_weights`); None: the plan counts them from the shape. request: the batch
+    to plan (`BatchRequest`); None: the settings' own (`BatchRequest.of(config)`)."""
+    request = request or BatchRequest.of(config)
+    seq_len, k = config.seq_len, request.accum_steps
+    target, smallest, flag = targets(config, request)
     base = dict(
         seq_len=seq_len,
         gpus=world_size,
@@ -160,11 +166,11 @@ def resolve_plan(
     )
     per_rank_seq = None if target is None else smallest // (seq_len * world_size)
     if target is not None and per_rank_seq < 1:
-        raise _no_whole_sequence(config, flag, smallest, world_size)
+        raise _no_whole_sequence(config, request, flag, smallest, world_size)
 
-    micro = config.micro_batch
+    micro = request.micro_batch
     if micro == AUTO:
-        micro = micro_batch.unmeasured(config, target, per_rank_seq, base, device)
+        micro = micro_batch.unmeasured(seq_len, k, target, per_rank_seq, base, device)
     elif target is not None and k is not None and micro * seq_len * k * world_size != target:
         raise BadInput(
             f"--accum-steps {k}: --micro-batch {micro} x --seq-len {seq_len} x k x "
@@ -173,9 +179,9 @@ def resolve_plan(
         )
 
     length = (
-        {"steps": config.max_steps}
-        if config.max_steps is not None
-        else {"total_tokens": config.total_tokens}
+        {"steps": request.max_steps}
+        if request.max_steps is not None
+        else {"total_tokens": request.total_tokens}
     )
     batch = {"accum_steps": k} if k is not None else {"target_tokens": target}
     if batch_schedule is not None:

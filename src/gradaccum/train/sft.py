@@ -16,7 +16,7 @@ both tasks:
   per micro-batch or packed into padding-free rows (`gradaccum.data.sft.packed`). The
   engine's N is the window's target tokens over every micro-batch and rank, so the step does
   not depend on the packing, the micro-batch or the number of ranks;
-- the plan (`plan_config`): the window's examples as sequences of --seq-len (the memory
+- the plan (`batch_request`): the window's examples as sequences of --seq-len (the memory
   bound: no micro-batch is wider), k = ceil(examples per rank / micro-batch);
 - the evaluation (`evaluate`): the held-out loss over completion tokens, and on the built-in
   set exact match by greedy generation.
@@ -25,7 +25,6 @@ both tasks:
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import torch
 
@@ -36,6 +35,7 @@ from gradaccum.data.sft.packed import Packing, packed_window
 from gradaccum.data.sft.windows import SFTBatches
 from gradaccum.engine.precision import autocast_dtype
 from gradaccum.parallel import devices
+from gradaccum.train.batch_request import BatchRequest
 from gradaccum.train.config import TrainConfig
 from gradaccum.train.epochs import epoch_stop
 from gradaccum.train.epochs import length_line as epochs_length_line
@@ -234,13 +234,13 @@ def window_tokens(config: TrainConfig, examples: list[Example]) -> float:
     return tokens / PLAN_WINDOWS
 
 
-def plan_config(
+def batch_request(
     config: TrainConfig,
     examples: list[Example],
     world_size: int,
     micro_batch: int | str | None = None,
-) -> TrainConfig:
-    """The config `resolve_plan` plans an SFT run with, in sequences of --seq-len tokens (no
+) -> BatchRequest:
+    """The batch `resolve_plan` plans an SFT run with, in sequences of --seq-len tokens (no
     micro-batch is wider, so the memory estimate bounds the run's): --packing none, each
     window's examples as sequences, k = ceil(examples per rank / micro-batch); window and
     padding-free, a micro-batch of --micro-batch-tokens // --seq-len sequences (--micro-batch
@@ -258,18 +258,18 @@ def plan_config(
         budget = config.micro_batch_tokens or micro * config.seq_len
         k = max(1, math.ceil(window_tokens(config, examples) / (world_size * budget)))
         sequences = k * micro * world_size
-    return replace(
-        config,
-        examples_per_step=None,
-        tokens_per_step=sequences * config.seq_len,
+    return BatchRequest.of(config).but(
         micro_batch=micro,
+        tokens_per_step=sequences * config.seq_len,
         max_steps=total_steps(config, examples),
-        max_tokens=None,
+        total_tokens=None,
     )
 
 
-def resume_plan_config(config: TrainConfig, ckpt, examples: list[Example], world_size: int):
-    """`plan_config` of a resumed run: the micro-batch it trained with unless --micro-batch
+def resume_batch_request(
+    config: TrainConfig, ckpt, examples: list[Example], world_size: int
+) -> BatchRequest:
+    """`batch_request` of a resumed run: the micro-batch it trained with unless --micro-batch
     changes it (the windows are counted in examples, so any micro-batch and number of ranks
     continue them); a changed --tokens-per-step is refused (it would make other windows)."""
     saved = ckpt.trainer_state["config"]
@@ -284,7 +284,7 @@ def resume_plan_config(config: TrainConfig, ckpt, examples: list[Example], world
     micro = ckpt.trainer_state["plan"]["micro_batch"]
     if config.micro_batch not in ("auto", saved.get("micro_batch")):
         micro = config.micro_batch
-    return plan_config(config, examples, world_size, micro)
+    return batch_request(config, examples, world_size, micro)
 
 
 CUTS = {

@@ -18,9 +18,9 @@ run never was is refused naming its flag. In particular:
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 
 from gradaccum.train import micro_batch
+from gradaccum.train.batch_request import BatchRequest
 from gradaccum.train.checks import holds_sft_stage
 from gradaccum.train.config import FLAGS, TrainConfig, merge_settings
 from gradaccum.train.rundir import checkpoint
@@ -234,15 +234,16 @@ def _data_words(settings: dict) -> str:
     return words
 
 
-def batch_config(config: TrainConfig, ckpt, world_size: int) -> TrainConfig:
-    """The config to plan the resumed run with: the checkpoint's tokens per step, its
+def batch_request(config: TrainConfig, ckpt, world_size: int) -> BatchRequest:
+    """The batch to plan the resumed run with: the checkpoint's tokens per step, its
     micro-batch unless --micro-batch changed it (`micro_batch.on_resume`), and k for this
     number of devices. With a batch schedule, k follows the schedule for the micro-batch and
     devices of the resume."""
     saved, plan = ckpt.trainer_state["config"], ckpt.trainer_state["plan"]
     if config.batch_schedule is not None:
         given = micro_batch.changed_on_resume(config, saved)
-        return replace(config, micro_batch=config.micro_batch if given else plan["micro_batch"])
+        micro = config.micro_batch if given else plan["micro_batch"]
+        return BatchRequest.of(config).but(micro_batch=micro)
     seq = plan["seq_len"]
     tokens = plan.get("tokens_per_step") or (
         plan["micro_batch"] * seq * plan["accum_steps"] * plan["world_size"]
@@ -263,7 +264,9 @@ def batch_config(config: TrainConfig, ckpt, world_size: int) -> TrainConfig:
             f"devices that divides {tokens // seq} sequences",
         )
     micro = micro_batch.on_resume(config, saved, plan, per_rank)
-    return replace(config, tokens_per_step=None, micro_batch=micro, accum_steps=per_rank // micro)
+    return BatchRequest.of(config).but(
+        tokens_per_step=None, micro_batch=micro, accum_steps=per_rank // micro
+    )
 
 
 def batch_lines(ckpt, batch) -> list[str]:

@@ -3,6 +3,7 @@ implementations of one protocol (`protocol.Task`), and any task of a user's own 
 --task MODULE:CLASS (docs/tasks.md). The registry (`registry`) is the one place a task's name
 is looked up; the rules (`rules`) are what a config is checked against, without torch."""
 
+from gradaccum.train.batch_request import BatchRequest
 from gradaccum.train.tasks.protocol import Begin, Stream, Task, TaskBase, TaskData, TaskWindow
 from gradaccum.train.tasks.registry import NAMES, rules_of, task_class
 from gradaccum.train.tasks.rules import GRPO_STEP, GRPORules, PretrainRules, SFTRules, TaskRules
@@ -10,6 +11,7 @@ from gradaccum.train.tasks.rules import GRPO_STEP, GRPORules, PretrainRules, SFT
 __all__ = [
     "GRPO_STEP",
     "NAMES",
+    "BatchRequest",
     "Begin",
     "GRPORules",
     "PretrainRules",

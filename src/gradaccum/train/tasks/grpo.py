@@ -56,12 +56,12 @@ class PolicyOptimization(TaskBase):
         self.tokenizer_dir = data.tokenizer_dir
         return data
 
-    def plan_config(self, data, model, say):
+    def batch_request(self, data, model, say):
         self.prompts = grpo.prompts_of(data.train, data.tokenizer, self.config.seq_len)
-        return grpo.plan_config(self.config, self.rank_info.world_size, len(self.prompts))
+        return grpo.batch_request(self.config, self.rank_info.world_size, len(self.prompts))
 
-    def resume_plan_config(self, data, ckpt):
-        return self.plan_config(data, None, None)
+    def resume_batch_request(self, data, ckpt):
+        return self.batch_request(data, None, None)
 
     def begin(self, run: Begin) -> None:
         """The prompts, the eval set's size, the rewards (checked before any generation) and
@@ -70,7 +70,7 @@ class PolicyOptimization(TaskBase):
         config, data = self.config, run.data
         if not run.dense:
             raise BadInput("--model", config.preset, "a mixture of experts: not with --task grpo")
-        self.model, self.data = run.model, data  # self.prompts: from `plan_config`
+        self.model, self.data = run.model, data  # self.prompts: from `batch_request`
         self.eval_sizes = grpo.eval_sizes(config, run.total_steps, len(data.val))
         self.eval_prompts = grpo.eval_prompts(data.val, data.tokenizer, config.seq_len,
                                               self.eval_sizes[1])  # fmt: skip

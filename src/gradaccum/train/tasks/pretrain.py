@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from gradaccum.data.batches import Batches
 from gradaccum.train import micro_batch, parts
+from gradaccum.train.batch_request import BatchRequest
 from gradaccum.train.epochs import pretrain_epoch_tokens, pretrain_length_line
 from gradaccum.train.evaluation import EVAL_TOKENS, evaluate
 from gradaccum.train.tasks import language
@@ -24,11 +25,11 @@ class Pretraining(TaskBase):
         data = parts.load_data(self.config)
         return TaskData(data.train, data.val, data.info, data.eod_id)
 
-    def plan_config(self, data: TaskData, model, say):
+    def batch_request(self, data: TaskData, model, say) -> BatchRequest:
         """--micro-batch auto measured where the batch leaves it to choose."""
         if micro_batch.measures(self.config, self.rank_info.world_size):
             return micro_batch.measure(self.config, model, data, self.rank_info, say)
-        return self.config
+        return BatchRequest.of(self.config)
 
     def epoch_tokens(self, data: TaskData) -> int | None:
         """--epochs in tokens (`epochs.pretrain_epoch_tokens`); None without it."""

@@ -8,8 +8,8 @@ over every micro-batch and rank), its evaluation, the fields it adds to a window
 record, its opening lines and plot title, and its own state.
 
 One `Task` is made per run, `TaskClass(config, rank_info)`, before anything else. Then:
-`load_data` -> `plan_config` (or `resume_plan_config`) -> `begin` once the batch is planned
--> `stream` -> per window `next_window`, `loss` per micro-batch, `record` -> `evaluate`
+`load_data` -> `batch_request` (or `resume_batch_request`) -> `begin` once the batch is
+planned -> `stream` -> per window `next_window`, `loss` per micro-batch, `record` -> `evaluate`
 between windows -> `state_dict` with each checkpoint.
 """
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
+from gradaccum.train.batch_request import BatchRequest
 from gradaccum.train.tasks.rules import TaskRules
 
 
@@ -91,8 +92,8 @@ class Task(Protocol):
     """The folder of the tokenizer to export beside the model; None: none."""
 
     def load_data(self) -> TaskData: ...
-    def plan_config(self, data: TaskData, model, say) -> Any: ...
-    def resume_plan_config(self, data: TaskData, ckpt) -> Any | None: ...
+    def batch_request(self, data: TaskData, model, say) -> BatchRequest: ...
+    def resume_batch_request(self, data: TaskData, ckpt) -> BatchRequest | None: ...
     def epoch_tokens(self, data: TaskData) -> int | None: ...
     def begin(self, run: Begin) -> None: ...
     def stream(self, data: TaskData, micro_batch: int) -> Stream: ...
@@ -123,13 +124,13 @@ class TaskBase:
     def __init__(self, config, rank_info):
         self.config, self.rank_info = config, rank_info
 
-    def plan_config(self, data: TaskData, model, say):
-        """The config the run's plan is made from (`resolve_run`): the settings as given."""
-        return self.config
+    def batch_request(self, data: TaskData, model, say) -> BatchRequest:
+        """The batch the run's plan is made for (`resolve_run`): the settings' own."""
+        return BatchRequest.of(self.config)
 
-    def resume_plan_config(self, data: TaskData, ckpt):
+    def resume_batch_request(self, data: TaskData, ckpt) -> BatchRequest | None:
         """A resumed run's; None: the micro-batch and k it trained with, for this number of
-        devices (the run plans it with `resume.batch_config`)."""
+        devices (the run plans it with `resume.batch_request`)."""
         return None
 
     def epoch_tokens(self, data: TaskData) -> int | None:

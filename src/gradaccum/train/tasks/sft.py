@@ -22,19 +22,20 @@ class FineTuning(TaskBase):
         self.tokenizer_dir = data.tokenizer_dir
         return data
 
-    def plan_config(self, data: sft.SFTParts, model, say):
-        """The window's examples as sequences of --seq-len (`sft.plan_config`), at the
+    def batch_request(self, data: sft.SFTParts, model, say):
+        """The window's examples as sequences of --seq-len (`sft.batch_request`), at the
         micro-batch --micro-batch auto measured."""
         config, measured = self.config, None
         if config.micro_batch == AUTO:
             per_step = sft.examples_per_step(config, data.train)
             measured = micro_batch.measure_sft(config, model, data.info.vocab_size, per_step,
                                                self.rank_info, say)  # fmt: skip
-        return sft.plan_config(config, data.train, self.rank_info.world_size, measured)
+        return sft.batch_request(config, data.train, self.rank_info.world_size, measured)
 
-    def resume_plan_config(self, data: sft.SFTParts, ckpt):
-        """The windows are counted in examples, whatever the layout (`sft.resume_plan_config`)."""
-        return sft.resume_plan_config(self.config, ckpt, data.train, self.rank_info.world_size)
+    def resume_batch_request(self, data: sft.SFTParts, ckpt):
+        """The windows are counted in examples, whatever the layout
+        (`sft.resume_batch_request`)."""
+        return sft.resume_batch_request(self.config, ckpt, data.train, self.rank_info.world_size)
 
     def begin(self, run: Begin) -> None:
         super().begin(run)
